@@ -1,0 +1,52 @@
+"""flashpage: a paged KV cache in flash-attn's layout for HuggingFace causal LMs.
+
+Layers (each usable alone): kernels (``flash_attn_with_kvcache``, ``flash_attn_varlen_func``,
+``store_kv``), the cache manager (``BlockManager``, ``PagedKVCache``), the HuggingFace patches
+(``patch``, ``HFPagedCache``) and the engine (``LLM``, ``SamplingParams``). Names that need
+transformers are imported on first use, so ``import flashpage`` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from flashpage.blocks import BlockManager, BlockStats
+from flashpage.cache import PagedKVCache, StepPlan, default_block_size
+from flashpage.errors import (
+    CapacityError,
+    FlashpageError,
+    InvariantError,
+    KernelInputError,
+    NoFreeBlocksError,
+    UnknownSequenceError,
+)
+from flashpage.kernels import backend_info, flash_attn_varlen_func, flash_attn_with_kvcache, store_kv
+from flashpage.tiny import tiny_model_path
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "patch": "flashpage.patches", "unpatch": "flashpage.patches", "patched": "flashpage.patches",
+    "is_patched": "flashpage.patches", "HFPagedCache": "flashpage.patches", "MemoryStats": "flashpage.patches",
+    "UnsupportedModelError": "flashpage.patches",
+    "LLM": "flashpage.engine", "SamplingParams": "flashpage.engine", "RequestOutput": "flashpage.engine",
+    "CompletionOutput": "flashpage.engine", "StreamOutput": "flashpage.engine", "EngineStats": "flashpage.engine",
+    "load_tiny_model": "flashpage.tiny",
+}
+
+__all__ = [
+    "BlockManager", "BlockStats", "CapacityError", "FlashpageError", "InvariantError", "KernelInputError",
+    "NoFreeBlocksError", "PagedKVCache", "StepPlan", "UnknownSequenceError", "backend_info",
+    "default_block_size", "flash_attn_varlen_func", "flash_attn_with_kvcache", "store_kv", "tiny_model_path",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flashpage' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,80 @@
+"""`flashpage bench {kernels,generate,engine}`: run one benchmark, print text or JSON, maybe plot.
+
+Progress goes to stderr, so ``--json`` output on stdout is one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def _kernels(args: argparse.Namespace) -> dict[str, Any]:
+    from flashpage.bench import kernels
+
+    if args.quick:
+        return kernels.run(num_seqs=32, max_len=512, repeats=3)
+    return kernels.run()
+
+
+def _generate(args: argparse.Namespace) -> dict[str, Any]:
+    from flashpage.bench import generate
+
+    return generate.run(model_name=getattr(args, "model", None), quick=args.quick)
+
+
+def _engine(args: argparse.Namespace) -> dict[str, Any]:
+    from flashpage.bench import engine
+
+    return engine.run(workload=getattr(args, "workload", "mixed"), model_name=getattr(args, "model", None),
+                      quick=args.quick)
+
+
+def _format(name: str, result: dict[str, Any]) -> str:
+    if name == "kernels":
+        from flashpage.bench.kernels import format_report
+    elif name == "generate":
+        from flashpage.bench.generate import format_report
+    else:
+        from flashpage.bench.engine import format_report
+    return format_report(result)
+
+
+_RUNNERS = {"kernels": _kernels, "generate": _generate, "engine": _engine}
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run ``args.bench``; print the report (``--json``: the result dict); write ``--plot``. Exit code."""
+    name = args.bench
+    runner = _RUNNERS.get(name)
+    if runner is None:
+        print(f"flashpage bench: unknown benchmark {name!r}; choose from {sorted(_RUNNERS)}", file=sys.stderr)
+        return 2
+    result = runner(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(_format(name, result))
+    plot_path = getattr(args, "plot", None)
+    if plot_path:
+        from flashpage.bench.plots import write_plot
+
+        try:
+            write_plot(name, result, plot_path)
+        except ImportError as exc:
+            print(f"flashpage bench: --plot needs matplotlib ({exc}); pip install 'flashpage[plot]'",
+                  file=sys.stderr)
+            return 1
+        print(f"[bench {name}] plot written to {plot_path}", file=sys.stderr)
+    return 0 if _ok(name, result) else 1
+
+
+def _ok(name: str, result: dict[str, Any]) -> bool:
+    """Correctness only (never speed): outputs agree, KV within its bound."""
+    if name == "kernels":
+        return bool(result.get("outputs_agree", True))
+    if name == "generate":
+        return bool(result["outputs_agree"] and result["kv_within_bound"])
+    return bool(result["outputs_agree"])

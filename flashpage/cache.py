@@ -1,0 +1,436 @@
+"""PagedKVCache: per-layer K/V pages in flash-attn's layout, sequence lifecycle and the step plan.
+
+Pages of layer ``i`` are ``k_pages(i)`` / ``v_pages(i)``, each of shape
+``(num_blocks, block_size, num_kv_heads, head_dim)``: exactly what
+``flash_attn_with_kvcache(block_table=...)`` and ``flash_attn_varlen_func(block_table=...)``
+read. A :class:`~flashpage.blocks.BlockManager` decides which block holds which token; a
+:class:`StepPlan`, built once per forward, tells every layer where to write its new K/V and what
+block tables and lengths to hand the kernel. No transformers import here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from flashpage.blocks import BlockManager, BlockStats
+from flashpage.errors import NoFreeBlocksError
+from flashpage.kernels import backend_info, store_kv
+
+DeviceLike = torch.device | str | int | None
+
+
+def _as_device(device: DeviceLike) -> torch.device:
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device if device is not None else "cpu")
+
+
+def default_block_size(device: DeviceLike = None) -> int:
+    """Block size for pages on ``device``: 16, or 256 where upstream flash-attn 2 is the kernel.
+
+    flash-attn 2 only accepts page sizes divisible by 256; flash-attn 3 and the reference take any.
+    """
+    dev = _as_device(device)
+    small = backend_info(device=dev, dtype=torch.float16, block_size=16)["flash_attn_with_kvcache"]
+    if small.name != "reference" or dev.type != "cuda":
+        return 16
+    large = backend_info(device=dev, dtype=torch.float16, block_size=256)["flash_attn_with_kvcache"]
+    return 256 if large.name != "reference" else 16
+
+
+@dataclass
+class StepPlan:
+    """Everything the attention of one forward needs, computed once and shared by all layers.
+
+    ``B`` sequences take part; ``T`` real new tokens in packed order (sequence by sequence).
+
+    Attributes:
+        seq_ids: the ``B`` sequences, in batch order.
+        query_lens: new tokens per sequence (``B`` ints; may be 0 for a sequence that only reads).
+        context_lens: tokens each sequence held in the cache before this step.
+        slot_mapping: (T,) int64, page slot (``block * block_size + offset``) of each new token.
+        token_index: (T,) int64 or None; position of each real token in the flattened
+            ``(batch * q_len)`` input layout, None when the input *is* the packed real tokens.
+        block_table: (B, max_blocks) int32, padded with 0.
+        seqlens_k: (B,) int32, tokens visible after the append (``context + query``).
+        cu_seqlens_q / cu_seqlens_k: (B + 1,) int32 prefix sums of query / key lengths.
+        max_seqlen_q / max_seqlen_k: the maxima (Python ints).
+        uniform_query: every sequence has the same query length and the input has no padding, so
+            the ``flash_attn_with_kvcache`` path applies with ``q`` shaped (B, Sq, H, D).
+    """
+
+    seq_ids: list[Hashable]
+    query_lens: list[int]
+    context_lens: list[int]
+    slot_mapping: torch.Tensor
+    token_index: torch.Tensor | None
+    block_table: torch.Tensor
+    seqlens_k: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    uniform_query: bool
+    _on_device: dict[torch.device, StepPlan] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real new tokens in this step (T)."""
+        return int(self.slot_mapping.numel())
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every sequence adds exactly one token."""
+        return self.uniform_query and self.max_seqlen_q == 1
+
+    def on(self, device: torch.device) -> StepPlan:
+        """This plan with its tensors on ``device`` (moved once per device, then cached)."""
+        if self.slot_mapping.device == device:
+            return self
+        cached = self._on_device.get(device)
+        if cached is None:
+            cached = _move_plan(self, device)
+            self._on_device[device] = cached
+        return cached
+
+
+def _move_plan(plan: StepPlan, device: torch.device) -> StepPlan:
+    def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
+    return StepPlan(
+        seq_ids=plan.seq_ids,
+        query_lens=plan.query_lens,
+        context_lens=plan.context_lens,
+        slot_mapping=mv(plan.slot_mapping),
+        token_index=mv(plan.token_index),
+        block_table=mv(plan.block_table),
+        seqlens_k=mv(plan.seqlens_k),
+        cu_seqlens_q=mv(plan.cu_seqlens_q),
+        cu_seqlens_k=mv(plan.cu_seqlens_k),
+        max_seqlen_q=plan.max_seqlen_q,
+        max_seqlen_k=plan.max_seqlen_k,
+        uniform_query=plan.uniform_query,
+    )
+
+
+@dataclass
+class _LayerPages:
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class PagedKVCache:
+    """K/V pages for every layer of a model, plus the block accounting and step planning.
+
+    Args:
+        num_layers: decoder layers that store K/V.
+        num_kv_heads: K/V heads per layer (``Hk``).
+        head_dim: key head dim (``D``).
+        num_blocks: pages per layer (``NB``).
+        block_size: tokens per page (``P``); flash-attn 2 needs a multiple of 256.
+        dtype: page dtype.
+        device: one device for all layers, a list with one device per layer (accelerate
+            device maps), or None to allocate each layer lazily on the device of the first K/V
+            it receives.
+        v_head_dim: value head dim when it differs from ``head_dim`` (MLA latents); default same.
+        enable_prefix_caching: share full blocks between sequences with equal prefixes.
+
+    Example:
+        >>> kv = PagedKVCache(2, 2, 8, num_blocks=16, block_size=4, dtype=torch.float32)
+        >>> kv.add_sequence("a", [1, 2, 3, 4, 5])
+        0
+        >>> plan = kv.plan_step(["a"], [5], [[1, 2, 3, 4, 5]])
+        >>> plan.block_table.shape, plan.seqlens_k.tolist()
+        (torch.Size([1, 2]), [5])
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int | None,
+        head_dim: int | None,
+        *,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype | None = torch.float32,
+        device: DeviceLike | Sequence[DeviceLike] = None,
+        v_head_dim: int | None = None,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("num_blocks", num_blocks), ("block_size", block_size)):
+            if value is not None and int(value) < 1:
+                raise ValueError(f"PagedKVCache: {name} must be >= 1, got {value}")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.v_head_dim = v_head_dim if v_head_dim is not None else head_dim
+        self._geometry_known = num_kv_heads is not None and head_dim is not None and dtype is not None
+        self.block_size = block_size
+        self.dtype = dtype
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self._layers: list[_LayerPages | None] = [None] * num_layers
+        self._layer_devices = self._resolve_devices(device)
+        if self._layer_devices is not None:
+            if not self._geometry_known:
+                raise ValueError("PagedKVCache: eager allocation (device=...) needs num_kv_heads, head_dim "
+                                 "and dtype; pass them, or device=None to size pages from the first write")
+            self._allocate_eagerly()
+
+    # ------------------------------------------------------------------ storage
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks.num_blocks
+
+    def _resolve_devices(self, device: DeviceLike | Sequence[DeviceLike]) -> list[torch.device] | None:
+        if device is None:
+            return None
+        if isinstance(device, (list, tuple)):
+            if len(device) != self.num_layers:
+                raise ValueError(
+                    f"PagedKVCache: got {len(device)} layer devices for {self.num_layers} layers; "
+                    "pass one device per layer or a single device"
+                )
+            return [_as_device(d) for d in device]
+        return [_as_device(device)] * self.num_layers
+
+    def _allocate_eagerly(self) -> None:
+        assert self._layer_devices is not None
+        by_device: dict[torch.device, list[int]] = {}
+        for layer, dev in enumerate(self._layer_devices):
+            by_device.setdefault(dev, []).append(layer)
+        for dev, layers in by_device.items():
+            k = torch.zeros((len(layers), *self._page_shape(self.head_dim)), dtype=self.dtype, device=dev)
+            v = torch.zeros((len(layers), *self._page_shape(self.v_head_dim)), dtype=self.dtype, device=dev)
+            for i, layer in enumerate(layers):
+                self._layers[layer] = _LayerPages(k[i], v[i])
+
+    def _page_shape(self, dim: int) -> tuple[int, int, int, int]:
+        return (self.num_blocks, self.block_size, self.num_kv_heads, dim)
+
+    def _pages(self, layer: int) -> _LayerPages:
+        pages = self._layers[layer]
+        if pages is None:
+            raise RuntimeError(
+                f"PagedKVCache: layer {layer} has no pages yet (nothing was written to it); "
+                "write K/V first or create the cache with device=... to allocate eagerly"
+            )
+        return pages
+
+    def _pages_for(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> _LayerPages:
+        """Pages of ``layer``, allocated on ``k``'s device with its geometry on first use."""
+        pages = self._layers[layer]
+        if pages is None:
+            hk, d, dv = k.shape[-2], k.shape[-1], v.shape[-1]
+            if self.num_kv_heads is None:
+                self.num_kv_heads, self.head_dim, self.v_head_dim = hk, d, dv
+            if self.dtype is None:
+                self.dtype = k.dtype
+            self._geometry_known = True
+            pages = _LayerPages(
+                torch.zeros((self.num_blocks, self.block_size, hk, d), dtype=self.dtype, device=k.device),
+                torch.zeros((self.num_blocks, self.block_size, hk, dv), dtype=self.dtype, device=k.device),
+            )
+            self._layers[layer] = pages
+        return pages
+
+    def k_pages(self, layer: int) -> torch.Tensor:
+        """Key pages of ``layer``: (num_blocks, block_size, num_kv_heads, head_dim)."""
+        return self._pages(layer).k
+
+    def v_pages(self, layer: int) -> torch.Tensor:
+        """Value pages of ``layer``: (num_blocks, block_size, num_kv_heads, v_head_dim)."""
+        return self._pages(layer).v
+
+    def layer_device(self, layer: int) -> torch.device | None:
+        """Device of ``layer``'s pages (None while a lazily placed layer has not been written)."""
+        pages = self._layers[layer]
+        return pages.k.device if pages is not None else None
+
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers, keys and values."""
+        if not self._geometry_known:
+            raise ValueError("PagedKVCache: geometry unknown until the first write (pass num_kv_heads, "
+                             "head_dim and dtype to know block bytes up front)")
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = self.block_size * self.num_kv_heads * (self.head_dim + self.v_head_dim) * elem
+        return per_layer * self.num_layers
+
+    def allocated_bytes(self) -> int:
+        """Bytes of page memory allocated so far (all layers, K and V)."""
+        return sum(p.k.numel() * p.k.element_size() + p.v.numel() * p.v.element_size()
+                   for p in self._layers if p is not None)
+
+    def grow(self, num_blocks: int) -> None:
+        """Enlarge the pool to ``num_blocks`` blocks, keeping every page's content and block id."""
+        if num_blocks <= self.num_blocks:
+            return
+        extra = num_blocks - self.num_blocks
+        for i, pages in enumerate(self._layers):
+            if pages is None:
+                continue
+            k_pad = pages.k.new_zeros((extra, *pages.k.shape[1:]))
+            v_pad = pages.v.new_zeros((extra, *pages.v.shape[1:]))
+            self._layers[i] = _LayerPages(torch.cat([pages.k, k_pad]), torch.cat([pages.v, v_pad]))
+        self.blocks.grow(num_blocks)
+
+    # --------------------------------------------------------------- sequences
+    def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None) -> int:
+        """Register a sequence; with ``token_ids`` reuse cached full blocks of its prefix.
+
+        Returns the number of prompt tokens already in the cache (a multiple of ``block_size``,
+        always fewer than ``len(token_ids)``): those need no compute.
+        """
+        return self.blocks.add_sequence(seq_id, token_ids)
+
+    def fork(self, src: Hashable, dst: Hashable) -> None:
+        """``dst`` shares ``src``'s blocks; the shared partial block is copied on its next write."""
+        self.blocks.fork(src, dst)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release a sequence's blocks (hashed full blocks stay reusable until evicted)."""
+        self.blocks.free(seq_id)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Shorten a sequence to ``num_tokens`` tokens (speculative-decoding rollback)."""
+        self.blocks.truncate(seq_id, num_tokens)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return self.blocks.num_tokens(seq_id)
+
+    def has_sequence(self, seq_id: Hashable) -> bool:
+        return self.blocks.has_sequence(seq_id)
+
+    def stats(self) -> BlockStats:
+        return self.blocks.stats()
+
+    # ------------------------------------------------------------------ planning
+    def blocks_needed(self, seq_ids: Sequence[Hashable], num_new: Sequence[int]) -> int:
+        """Blocks a step adding ``num_new[i]`` tokens to ``seq_ids[i]`` would allocate."""
+        return sum(self.blocks.blocks_needed(s, n) for s, n in zip(seq_ids, num_new, strict=True))
+
+    def plan_step(
+        self,
+        seq_ids: Sequence[Hashable],
+        num_new: Sequence[int],
+        token_ids: Sequence[Sequence[int] | None] | None = None,
+        *,
+        token_index: torch.Tensor | None = None,
+        uniform_query: bool | None = None,
+    ) -> StepPlan:
+        """Allocate slots for this step's new tokens and build the plan every layer reuses.
+
+        Either all sequences get their slots or, when the pool is short, ``NoFreeBlocksError``
+        (with ``needed`` and ``free``) is raised and nothing changes.
+
+        Args:
+            seq_ids: sequences taking part, in batch order.
+            num_new: new tokens per sequence.
+            token_ids: the new tokens' ids per sequence (for prefix hashing), or None.
+            token_index: (T,) positions of the real tokens in a padded input layout, if any.
+            uniform_query: override the check for the ``flash_attn_with_kvcache`` path.
+        """
+        needed = self.blocks_needed(seq_ids, num_new)
+        if needed > self.blocks.num_free_blocks:
+            raise NoFreeBlocksError(needed, self.blocks.num_free_blocks, "this step")
+        context = [self.blocks.num_tokens(s) for s in seq_ids]
+        slots: list[int] = []
+        for i, (seq, n) in enumerate(zip(seq_ids, num_new, strict=True)):
+            toks = token_ids[i] if token_ids is not None else None
+            slots.extend(self.blocks.append(seq, n, toks))
+        tables = [self.blocks.block_table(s) for s in seq_ids]
+        self._copy_blocks(self.blocks.pop_copies())
+        if uniform_query is None:
+            uniform_query = token_index is None and len(set(num_new)) <= 1
+        return _build_plan(list(seq_ids), list(num_new), context, slots, tables, token_index, uniform_query)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Run copy-on-write copies (src -> dst block) in every allocated layer, before any write."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long)
+        for pages in self._layers:
+            if pages is None:
+                continue
+            s, d = src.to(pages.k.device), dst.to(pages.k.device)
+            pages.k.index_copy_(0, d, pages.k.index_select(0, s))
+            pages.v.index_copy_(0, d, pages.v.index_select(0, s))
+
+    # ------------------------------------------------------------------- writes
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
+        """Store a layer's new K/V into its pages.
+
+        Args:
+            layer: layer index.
+            k: (N, Hk, D) new keys in the input layout (``N`` = T, or batch * q_len with
+                ``plan.token_index`` picking the real ones).
+            v: (N, Hk, Dv) new values, same layout.
+            plan: this step's plan.
+        """
+        pages = self._pages_for(layer, k, v)
+        dplan = plan.on(pages.k.device)
+        if dplan.token_index is not None:
+            k = k.index_select(0, dplan.token_index)
+            v = v.index_select(0, dplan.token_index)
+        if k.shape[0]:
+            store_kv(pages.k, pages.v, k.to(pages.k.dtype), v.to(pages.v.dtype), dplan.slot_mapping)
+
+    def gather(self, layer: int, seq_ids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Read sequences' stored K/V back as padded dense tensors.
+
+        Returns ``(k, v, lengths)`` with k (B, Lmax, Hk, D) and v (B, Lmax, Hk, Dv), rows past a
+        sequence's length zero-filled.
+        """
+        pages = self._pages(layer)
+        lengths = [self.blocks.num_tokens(s) for s in seq_ids]
+        lmax = max(lengths, default=0)
+        nblk = -(-lmax // self.block_size)
+        table = torch.zeros((len(seq_ids), max(nblk, 1)), dtype=torch.long)
+        for i, s in enumerate(seq_ids):
+            ids = self.blocks.block_table(s)
+            table[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        table = table[:, :nblk].to(pages.k.device)
+        b = len(seq_ids)
+        k = pages.k[table].reshape(b, nblk * self.block_size, *pages.k.shape[2:])[:, :lmax]
+        v = pages.v[table].reshape(b, nblk * self.block_size, *pages.v.shape[2:])[:, :lmax]
+        valid = torch.arange(lmax, device=k.device)[None, :] < torch.tensor(lengths, device=k.device)[:, None]
+        return k * valid[..., None, None], v * valid[..., None, None], lengths
+
+
+def _build_plan(
+    seq_ids: list[Hashable],
+    num_new: list[int],
+    context: list[int],
+    slots: list[int],
+    tables: list[list[int]],
+    token_index: torch.Tensor | None,
+    uniform_query: bool,
+) -> StepPlan:
+    b = len(seq_ids)
+    width = max((len(t) for t in tables), default=0)
+    block_table = torch.zeros((b, max(width, 1)), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        if t:
+            block_table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    q = torch.tensor(num_new, dtype=torch.int32)
+    seqlens_k = torch.tensor(context, dtype=torch.int32) + q
+    zero = torch.zeros(1, dtype=torch.int32)
+    return StepPlan(
+        seq_ids=seq_ids,
+        query_lens=num_new,
+        context_lens=context,
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        token_index=token_index,
+        block_table=block_table,
+        seqlens_k=seqlens_k,
+        cu_seqlens_q=torch.cat([zero, q.cumsum(0, dtype=torch.int32)]),
+        cu_seqlens_k=torch.cat([zero, seqlens_k.cumsum(0, dtype=torch.int32)]),
+        max_seqlen_q=max(num_new, default=0),
+        max_seqlen_k=int(seqlens_k.max()) if b else 0,
+        uniform_query=uniform_query,
+    )

@@ -1,0 +1,449 @@
+"""flashpage.LLM: continuous batching over a patched HuggingFace model and a paged KV pool.
+
+Each :meth:`LLM.step` is one packed forward ``model(input_ids[1, T], position_ids[1, T],
+cache=..., logits_to_keep=...)`` of every scheduled sequence's new tokens (decodes and prefill
+chunks together), planned once; logits are computed only for sequences that emit a token.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flashpage.cache import PagedKVCache, default_block_size
+from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
+from flashpage.engine.params import SamplingParams
+from flashpage.engine.sampler import Sampler
+from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
+from flashpage.engine.sequence import Group, Seq, SeqStatus
+from flashpage.engine.sizing import KVSizing, plan_kv_pool
+from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
+from flashpage.patches.patching import patch_state
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine (see :meth:`LLM.stats`)."""
+
+    running: int
+    waiting: int
+    blocks_total: int
+    blocks_used: int
+    blocks_free: int
+    blocks_cached: int
+    block_size: int
+    prefix_cache_hit_rate: float
+    preemptions: int
+    steps: int
+    tokens_computed: int
+    generated_tokens: int
+    busy_seconds: float
+
+    @property
+    def output_tokens_per_second(self) -> float:
+        return self.generated_tokens / self.busy_seconds if self.busy_seconds else 0.0
+
+
+class LLM:
+    """Serve many requests at once on one HuggingFace causal LM.
+
+    Args:
+        model: a transformers causal LM, or a path / hub id loaded with ``from_pretrained``.
+        tokenizer: needed for text prompts and output text (loaded with the model from a path).
+        block_size: tokens per KV page (default 16; 256 where flash-attn 2 is the kernel).
+        num_blocks: KV pages; default sized from ``kv_cache_memory`` (CPU) or free GPU memory.
+        max_num_seqs: sequences decoded together at most.
+        max_num_batched_tokens: tokens per step at most (long prompts are chunked).
+        enable_prefix_caching: share full blocks of equal prefixes between requests.
+        kv_cache_memory: bytes for the KV pool (default on CPU: 1 GiB).
+        gpu_memory_utilization: fraction of free CUDA memory for the pool (CUDA only).
+        max_model_len: tokens per sequence at most (default: the model's positions).
+        dtype / device: for loading from a path.
+        check_invariants: verify the block accounting after every step (slow; for tests/debugging).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, *, block_size: int | None = None,
+                 num_blocks: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True, kv_cache_memory: int | None = None,
+                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
+                 dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                 check_invariants: bool = False) -> None:
+        if isinstance(model, (str, os.PathLike)):
+            model, tokenizer = _load(model, tokenizer, dtype, device)
+        _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        patch(self.model)
+        if patch_state(self.model).family.path != "interface":
+            raise TypeError(f"flashpage.LLM does not support {type(model).__name__} yet: its attention bypasses "
+                            "transformers' interface. Use flashpage.patch(model) with model.generate() instead.")
+        self.device = next(self.model.parameters()).device
+        config = self.model.config.get_text_config(decoder=True)
+        self.vocab_size = int(config.vocab_size)
+        self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", None) or 1 << 30
+        sizing = plan_kv_pool(self.model, self.device, block_size or default_block_size(self.device),
+                              num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
+                              gpu_memory_utilization=gpu_memory_utilization)
+        self.sizing: KVSizing = sizing
+        self.kv = PagedKVCache(sizing.num_layers, sizing.num_kv_heads, sizing.head_dim,
+                               v_head_dim=sizing.v_head_dim, num_blocks=sizing.num_blocks,
+                               block_size=sizing.block_size, dtype=sizing.dtype, device=sizing.layer_devices,
+                               enable_prefix_caching=enable_prefix_caching)
+        self._cache = HFPagedCache.wrap(self.kv, config)
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
+            else "past_key_values"
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
+        self.sampler = Sampler(_eos_ids(self.model, tokenizer))
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._groups: dict[str, Group] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._counters = {"steps": 0, "computed": 0, "generated": 0, "busy": 0.0}
+        self.check_invariants = check_invariants
+
+    # ------------------------------------------------------------- requests
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request (text or token ids); returns its id. Invalid input raises ValueError
+        here, before anything is queued."""
+        group = self._make_group(prompt, sampling_params, request_id)
+        self._enqueue(group)
+        return group.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now: its blocks are freed, its output ends with finish_reason 'abort'."""
+        group = self._groups.get(request_id)
+        if group is None:
+            raise KeyError(f"no running or waiting request with id {request_id!r}")
+        self._finish_group(group, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one packed forward; returns the outputs of requests that progressed this step."""
+        return [g.to_output() for g in self._step()]
+
+    def stats(self) -> EngineStats:
+        s = self.kv.stats()
+        c = self._counters
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), s.num_blocks, s.in_use,
+                           s.free, s.cached, s.block_size, s.hit_rate, self.scheduler.num_preemptions,
+                           c["steps"], c["computed"], c["generated"], c["busy"])
+
+    # -------------------------------------------------------- batch helpers
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        with self._exclusive("generate"):
+            groups = self._make_groups(prompts, sampling_params)
+            for g in groups:
+                self._enqueue(g)
+            self._run_until_done(groups, use_tqdm)
+            return [g.to_output() for g in groups]
+
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StreamOutput]:
+        """Yield each sample's new tokens (ids and text delta) as they are produced."""
+        with self._exclusive("stream"):
+            groups = self._make_groups(prompts, sampling_params, streamed=True)
+            for g in groups:
+                self._enqueue(g)
+            try:
+                while not all(g.finished for g in groups):
+                    self._step()
+                    for g in groups:
+                        yield from _stream_deltas(g)
+            finally:
+                for g in groups:
+                    if not g.finished:
+                        self._finish_group(g, "abort")
+
+    # ---------------------------------------------------------------- inner
+    def _exclusive(self, what: str):
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"LLM.{what}() is already running (another thread or an unfinished stream); "
+                               "an LLM serves one generate()/stream() at a time: wait for it, or use another LLM")
+        return _Release(self._lock)
+
+    def _run_until_done(self, groups: list[Group], use_tqdm: bool) -> None:
+        bar = _progress(len(groups), use_tqdm)
+        done = 0
+        try:
+            while not all(g.finished for g in groups):
+                self._step()
+                now = sum(g.finished for g in groups)
+                if bar is not None and now > done:
+                    bar.update(now - done)
+                done = now
+        except BaseException:
+            for g in groups:
+                if not g.finished:
+                    self._finish_group(g, "abort")
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _make_groups(self, prompts: Prompt | Sequence[Prompt], params: Any, streamed: bool = False) -> list[Group]:
+        items = _as_prompt_list(prompts)
+        if isinstance(params, SamplingParams) or params is None:
+            plist = [params] * len(items)
+        else:
+            plist = list(params)
+            if len(plist) != len(items):
+                raise ValueError(f"got {len(plist)} SamplingParams for {len(items)} prompts; "
+                                 "pass one, or one per prompt")
+        groups = [self._make_group(p, sp) for p, sp in zip(items, plist, strict=True)]
+        for g in groups:
+            g.streamed = streamed
+        return groups
+
+    def _make_group(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None) -> Group:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a flashpage.SamplingParams, got {type(params).__name__}")
+        params.__post_init__()  # re-validate: fields may have been changed after construction
+        text, ids = self._tokenize(prompt)
+        self._validate_prompt(ids, params)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self._groups:
+            raise ValueError(f"request id {rid!r} is already in use")
+        return Group(rid, text, ids, params, RequestMetrics(time.perf_counter()), self.tokenizer,
+                     max_total_tokens=self.max_model_len)
+
+    def _enqueue(self, group: Group) -> None:
+        self._groups[group.request_id] = group
+        self.scheduler.add(group.new_seq(0, group.prompt_token_ids))
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: LLM(model, tokenizer) or pass token ids")
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.reshape(-1).tolist()
+        ids = list(prompt)
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise ValueError("a token-id prompt must be a list of ints")
+        return None, ids
+
+    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt has token id(s) outside the vocabulary [0, {self.vocab_size}): "
+                             f"{bad[:5]}{'...' if len(bad) > 5 else ''}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but the model takes at most {self.max_model_len} "
+                             f"positions (max_model_len), leaving no room to generate: "
+                             f"{len(ids) - self.max_model_len + 1} token(s) too many")
+        need = -(-(len(ids) + 1) // self.kv.block_size)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"prompt needs {need} KV blocks but the whole pool has {self.kv.num_blocks} "
+                             f"({need - self.kv.num_blocks} too many); give the LLM more KV memory "
+                             "(num_blocks= or kv_cache_memory=) or shorten the prompt")
+
+    def _step(self) -> list[Group]:
+        schedule = self.scheduler.schedule()
+        if not schedule.chunks:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("scheduler could not place any waiting request in the KV pool")
+            return []
+        start = time.perf_counter()
+        emitting = [c for c in schedule.chunks if c.emits]
+        logits = self._forward(schedule, emitting)
+        touched = self._postprocess(emitting, logits)
+        self._counters["steps"] += 1
+        self._counters["computed"] += schedule.num_tokens
+        self._counters["busy"] += time.perf_counter() - start
+        if self.check_invariants:
+            self.kv.blocks.check_invariants()
+        return touched
+
+    def _forward(self, schedule: Schedule, emitting: list[Chunk]) -> torch.Tensor:
+        chunks = schedule.chunks
+        ids: list[int] = []
+        pos: list[int] = []
+        for c in chunks:
+            ids.extend(c.seq.token_ids[c.start:c.start + c.num_tokens])
+            pos.extend(range(c.start, c.start + c.num_tokens))
+        ends = list(itertools.accumulate(c.num_tokens for c in chunks))
+        keep = [e - 1 for c, e in zip(chunks, ends, strict=True) if c.emits]
+        toks = [c.seq.token_ids[c.start:c.start + c.num_tokens] for c in chunks]
+        self._ensure_patched()
+        plan = self.kv.plan_step([c.seq.seq_id for c in chunks], [c.num_tokens for c in chunks], toks)
+        self._cache.set_plan(plan)
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=torch.tensor([ids], device=self.device),
+                                 position_ids=torch.tensor([pos], device=self.device), use_cache=True,
+                                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+                                 **{self._cache_kwarg: self._cache})
+        except BaseException:
+            self._cache.end_forward(ok=False)
+            for c in chunks:  # give back this step's slots: the cache is as before the step
+                self.kv.truncate(c.seq.seq_id, c.start)
+            raise
+        for c in chunks:
+            c.seq.num_computed += c.num_tokens
+        return out.logits[0]
+
+    def _ensure_patched(self) -> None:
+        """Re-patch if someone unpatched the model (or switched its attention) since the last step."""
+        if not is_patched(self.model) or self.model.config._attn_implementation != ATTN_NAME:
+            unpatch(self.model)
+            patch(self.model)
+
+    def _postprocess(self, emitting: list[Chunk], logits: torch.Tensor) -> list[Group]:
+        seqs: list[Seq] = []
+        rows: list[int] = []
+        for i, c in enumerate(emitting):
+            seqs.append(c.seq)
+            rows.append(i)
+            for child in self._fork_samples(c.seq):
+                seqs.append(child)
+                rows.append(i)
+        if not seqs:
+            return []
+        row_logits = logits if rows == list(range(len(emitting))) else logits[rows]
+        tokens = self.sampler(row_logits, seqs)
+        now = time.perf_counter()
+        touched: dict[str, Group] = {}
+        for seq, tok in zip(seqs, tokens, strict=True):
+            self._append_token(seq, tok, now)
+            touched[seq.group.request_id] = seq.group
+        self._counters["generated"] += len(tokens)
+        return list(touched.values())
+
+    def _fork_samples(self, seq: Seq) -> list[Seq]:
+        group = seq.group
+        if seq.index != 0 or seq.num_output != 0 or len(group.seqs) >= group.params.n:
+            return []
+        children = []
+        for i in range(len(group.seqs), group.params.n):
+            child = group.new_seq(i, seq.token_ids)
+            self.kv.fork(seq.seq_id, child.seq_id)
+            child.in_cache = True
+            child.num_computed = seq.num_computed
+            self.scheduler.add_running_after(seq, child)
+            children.append(child)
+        return children
+
+    def _append_token(self, seq: Seq, token: int, now: float) -> None:
+        group, p = seq.group, seq.group.params
+        seq.token_ids.append(token)
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = now
+        may_stop = seq.num_output >= p.min_tokens
+        if seq.detok is not None:
+            seq.detok.update(seq.output_ids, check_stop=may_stop)
+        reason = None
+        if may_stop and ((token in self.sampler.eos_token_ids and not p.ignore_eos) or token in p.stop_ids):
+            reason = "stop"
+        elif seq.detok is not None and seq.detok.stopped:
+            reason = "stop"
+        elif seq.num_output >= p.max_tokens or len(seq.token_ids) >= group.max_total_tokens:
+            reason = "length"
+        if reason is not None:
+            self._finish_seq(seq, reason)
+
+    def _finish_seq(self, seq: Seq, reason: str) -> None:
+        self.scheduler.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.detok is not None:
+            seq.detok.flush(seq.output_ids, check_stop=seq.num_output >= seq.group.params.min_tokens)
+        group = seq.group
+        if group.finished:
+            group.metrics.finish_time = time.perf_counter()
+            self._groups.pop(group.request_id, None)
+
+    def _finish_group(self, group: Group, reason: str) -> None:
+        while len(group.seqs) < group.params.n:  # samples never forked end too
+            group.new_seq(len(group.seqs), group.prompt_token_ids)
+        for seq in group.seqs:
+            if not seq.finished:
+                self._finish_seq(seq, reason)
+
+
+class _Release:
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def _stream_deltas(group: Group) -> Iterator[StreamOutput]:
+    for seq in group.seqs:
+        new_ids = seq.output_ids[seq.streamed_tokens:]
+        text = seq.detok.take_delta(final=seq.finished) if seq.detok is not None else ""
+        announce = seq.finished and not seq.final_streamed
+        if new_ids or text or announce:
+            seq.streamed_tokens += len(new_ids)
+            seq.final_streamed = seq.finished
+            yield StreamOutput(group.request_id, seq.index, new_ids, text, seq.finished, seq.finish_reason)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, torch.Tensor):
+        return [prompts.tolist()] if prompts.dim() == 1 else [p.tolist() for p in prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        return [items]
+    return items
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="flashpage", unit="req")
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: Iterable[int | None] = ()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    ids = eos if isinstance(eos, (list, tuple)) else [eos]
+    return [int(t) for t in ids if t is not None]
+
+
+def _check_positive(**values: int) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"LLM: {name} must be a positive int, got {v!r}")
+
+
+def _load(path: str | os.PathLike, tokenizer: Any, dtype: torch.dtype | None, device: Any) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+    if device is not None:
+        model = model.to(device)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer

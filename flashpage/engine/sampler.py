@@ -1,0 +1,119 @@
+"""Sampler: picks each sequence's next token from its logits row, following its SamplingParams.
+
+Order: repetition / presence / frequency penalties, ``min_tokens`` suppression of EOS and stop
+ids, then greedy argmax (temperature 0) or temperature, top-k, top-p, min-p and a draw from the
+sequence's own generator (so a seeded request samples the same tokens whatever it is batched
+with). Log-probabilities are those of the model's raw logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from flashpage.engine.outputs import TokenLogprob
+from flashpage.engine.sequence import Seq
+
+
+class Sampler:
+    """Stateless apart from the EOS ids of the model.
+
+    Args:
+        eos_token_ids: ids that end a sequence unless ``ignore_eos``.
+    """
+
+    def __init__(self, eos_token_ids: Sequence[int]) -> None:
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[Seq]) -> list[int]:
+        """Choose one token per row.
+
+        Args:
+            logits: (N, V) next-token logits, row i for ``seqs[i]``.
+            seqs: the N sequences (their params, tokens so far and generators).
+
+        Returns:
+            N token ids. Appends a :class:`TokenLogprob` to ``seq.logprobs`` where requested.
+        """
+        raw = logits.float()
+        scores = raw if not self._needs_processing(seqs) else self._process(raw.clone(), seqs)
+        greedy = [i for i, s in enumerate(seqs) if s.group.params.greedy]
+        chosen = [0] * len(seqs)
+        if greedy:
+            picks = scores[greedy].argmax(dim=-1).tolist()
+            for i, t in zip(greedy, picks, strict=True):
+                chosen[i] = t
+        for i, s in enumerate(seqs):
+            if not s.group.params.greedy:
+                chosen[i] = self._sample(scores[i], s)
+        self._record_logprobs(raw, seqs, chosen)
+        return chosen
+
+    def _needs_processing(self, seqs: Sequence[Seq]) -> bool:
+        return any(s.group.params.has_penalties or s.num_output < s.group.params.min_tokens for s in seqs)
+
+    def _process(self, scores: torch.Tensor, seqs: Sequence[Seq]) -> torch.Tensor:
+        for i, s in enumerate(seqs):
+            p = s.group.params
+            if p.has_penalties:
+                apply_penalties(scores[i], s.token_ids, s.num_prompt, p.repetition_penalty,
+                                p.presence_penalty, p.frequency_penalty)
+            if s.num_output < p.min_tokens:
+                banned = set(p.stop_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                if banned:
+                    scores[i, sorted(t for t in banned if t < scores.shape[1])] = float("-inf")
+        return scores
+
+    @staticmethod
+    def _sample(row: torch.Tensor, seq: Seq) -> int:
+        p = seq.group.params
+        row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
+        probs = torch.softmax(row, dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=seq.generator)
+        return int((probs / noise).argmax())
+
+    @staticmethod
+    def _record_logprobs(raw: torch.Tensor, seqs: Sequence[Seq], chosen: list[int]) -> None:
+        rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        if not rows:
+            return
+        logp = torch.log_softmax(raw[rows], dim=-1)
+        for r, i in enumerate(rows):
+            k = seqs[i].group.params.logprobs or 0
+            top = {}
+            if k:
+                vals, ids = logp[r].topk(k)
+                top = dict(zip(ids.tolist(), vals.tolist(), strict=True))
+            seqs[i].logprobs.append(TokenLogprob(chosen[i], float(logp[r, chosen[i]]), top))
+
+
+def apply_penalties(row: torch.Tensor, token_ids: list[int], num_prompt: int, repetition: float,
+                    presence: float, frequency: float) -> None:
+    """Penalise ``row`` (V,) in place: HF repetition penalty over prompt and output, OpenAI-style
+    presence and frequency penalties over the output."""
+    if repetition != 1.0 and token_ids:
+        ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
+        ids = ids[ids < row.shape[0]]
+        vals = row[ids]
+        row[ids] = torch.where(vals > 0, vals / repetition, vals * repetition)
+    out = token_ids[num_prompt:]
+    if (presence or frequency) and out:
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=row.shape[0])[: row.shape[0]]
+        row -= frequency * counts.to(row.dtype) + presence * (counts > 0).to(row.dtype)
+
+
+def filter_logits(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k, the top-p nucleus, and below min-p; row is (V,)."""
+    if top_k > 0 and top_k < row.shape[0]:
+        kth = row.topk(top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = row.sort(descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep tokens until the mass reaches top_p
+        row = row.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if min_p > 0.0:
+        probs = row.softmax(-1)
+        row = row.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return row

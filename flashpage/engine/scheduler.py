@@ -1,0 +1,150 @@
+"""Scheduler: which sequences compute how many tokens in the next step.
+
+Under a token budget (``max_num_batched_tokens``): running decodes first, then running prefills
+(long prompts are chunked across steps), then waiting sequences in arrival order while
+``max_num_seqs`` and the KV pool allow. When the pool cannot hold a running sequence's next
+tokens, the newest running sequence is preempted by recompute: its blocks are freed (full ones
+stay hashed, so resuming mostly hits the prefix cache) and it goes back to the front of the queue
+with its output so far intact.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from flashpage.cache import PagedKVCache
+from flashpage.engine.sequence import Seq, SeqStatus
+
+
+@dataclass
+class Chunk:
+    """``num_tokens`` tokens of ``seq`` (from ``seq.num_computed``) computed this step."""
+
+    seq: Seq
+    num_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed
+
+    @property
+    def emits(self) -> bool:
+        """This chunk reaches the end of the sequence: its last logits give the next token."""
+        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class Schedule:
+    chunks: list[Chunk] = field(default_factory=list)
+    preempted: list[Seq] = field(default_factory=list)
+    reserved_blocks: int = 0  # blocks the scheduled chunks will allocate
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """Admission, chunking and preemption over one :class:`PagedKVCache`."""
+
+    def __init__(self, kv: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- queues
+    def add(self, seq: Seq) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running_after(self, parent: Seq, child: Seq) -> None:
+        """Insert a forked sample right after its parent (it already has the parent's blocks)."""
+        child.status = SeqStatus.RUNNING
+        self.running.insert(self.running.index(parent) + 1, child)
+
+    def remove(self, seq: Seq) -> None:
+        """Take a sequence out of the queues and free its blocks (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self) -> Schedule:
+        out = Schedule()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        decodes = [s for s in self.running if s.remaining == 1]
+        prefills = [s for s in self.running if s.remaining > 1]
+        for seq in decodes + prefills:
+            if seq.status is not SeqStatus.RUNNING or budget <= 0:
+                continue
+            n = min(seq.remaining, budget)
+            if not self._make_room(seq, n, scheduled, out):
+                continue
+            out.chunks.append(Chunk(seq, n))
+            out.reserved_blocks += self.kv.blocks.blocks_needed(seq.seq_id, n)
+            scheduled.add(seq.seq_id)
+            budget -= n
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _fits(self, seq: Seq, n: int, out: Schedule) -> bool:
+        needed = self.kv.blocks.blocks_needed(seq.seq_id, n)
+        return needed + out.reserved_blocks <= self.kv.blocks.num_free_blocks
+
+    def _make_room(self, seq: Seq, n: int, scheduled: set[int], out: Schedule) -> bool:
+        """Preempt newest running sequences until ``seq``'s chunk fits; False if ``seq`` itself went."""
+        while not self._fits(seq, n, out):
+            victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
+            if victim is None:
+                raise RuntimeError("scheduler: KV pool too small for the scheduled sequences alone")
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Seq, out: Schedule) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.group.metrics.preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self.waiting.appendleft(seq)
+
+    def _admit(self, out: Schedule, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.in_cache:
+                cached = self.kv.add_sequence(seq.seq_id, seq.token_ids)
+                seq.in_cache = True
+                seq.num_computed = cached
+                if seq.num_output == 0:
+                    seq.group.metrics.cached_prompt_tokens = cached
+            n = min(seq.remaining, budget)
+            if not self._fits(seq, n, out):
+                self._release(seq)  # give back its prefix hits; it stays first in line
+                seq.num_computed = 0
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(Chunk(seq, n))
+            out.reserved_blocks += self.kv.blocks.blocks_needed(seq.seq_id, n)
+            budget -= n
+
+    def _release(self, seq: Seq) -> None:
+        if seq.in_cache:
+            self.kv.free(seq.seq_id)
+            seq.in_cache = False

@@ -1,0 +1,47 @@
+"""Exception types shared by every flashpage layer (no torch, no transformers imports here).
+
+Each error says what was wrong, what was expected and what to do about it. The classes also
+derive from the builtin exception a caller would naturally catch (ValueError, KeyError, ...).
+"""
+
+from __future__ import annotations
+
+
+class FlashpageError(Exception):
+    """Base class of every error flashpage raises on purpose."""
+
+
+class KernelInputError(FlashpageError, ValueError, RuntimeError):
+    """Inputs a paged-attention kernel cannot take (flash-attn raises RuntimeError for these)."""
+
+
+class CapacityError(KernelInputError):
+    """New tokens would not fit in the pages a sequence's block table gives it."""
+
+
+class NoFreeBlocksError(FlashpageError, RuntimeError):
+    """The block pool cannot satisfy an allocation; nothing was changed.
+
+    Attributes:
+        needed: blocks the operation needed.
+        free: blocks that were allocatable (free or evictable) at the time.
+    """
+
+    def __init__(self, needed: int, free: int, what: str = "allocation") -> None:
+        self.needed = needed
+        self.free = free
+        super().__init__(
+            f"out of KV blocks: {what} needs {needed} block(s) but only {free} are free; "
+            "free or preempt a sequence, or give the cache more blocks (num_blocks=...)"
+        )
+
+
+class UnknownSequenceError(FlashpageError, KeyError):
+    """A sequence id that the cache does not hold (never added, or already freed)."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else "unknown sequence"
+
+
+class InvariantError(FlashpageError, AssertionError):
+    """The block accounting is inconsistent (a bug in flashpage: please report it)."""

@@ -1,0 +1,68 @@
+"""``flashpage info``: versions, devices, and which kernel each entry point takes here and why."""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+from typing import Any
+
+import torch
+
+from flashpage.cache import default_block_size
+from flashpage.kernels import backend_info
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _devices() -> list[str]:
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            cap = torch.cuda.get_device_capability(i)
+            devices.append(f"cuda:{i} {torch.cuda.get_device_name(i)} (sm{cap[0]}{cap[1]})")
+    return devices
+
+
+def collect_info() -> dict[str, Any]:
+    """A JSON-friendly description of this installation."""
+    import flashpage
+
+    probes = [("cpu", torch.float32, 16)]
+    if torch.cuda.is_available():
+        probes += [("cuda", torch.float16, 16), ("cuda", torch.bfloat16, 256)]
+    kernels = []
+    for device, dtype, block in probes:
+        for entry, choice in backend_info(device=torch.device(device), dtype=dtype, block_size=block).items():
+            kernels.append({"device": device, "dtype": str(dtype).removeprefix("torch."), "block_size": block,
+                            "entry_point": entry, "backend": choice.name, "reason": choice.reason})
+    return {
+        "flashpage": flashpage.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "accelerate": _version("accelerate"),
+        "flash_attn": _version("flash-attn"),
+        "cuda_available": torch.cuda.is_available(),
+        "devices": _devices(),
+        "default_block_size": {d: default_block_size(d) for d in (["cpu", "cuda"] if torch.cuda.is_available()
+                                                                   else ["cpu"])},
+        "kernels": kernels,
+    }
+
+
+def format_info(info: dict[str, Any]) -> str:
+    lines = [f"flashpage {info['flashpage']}  (python {info['python']}, torch {info['torch']}, "
+             f"transformers {info['transformers']}, accelerate {info['accelerate']}, "
+             f"flash-attn {info['flash_attn']})",
+             "devices: " + ", ".join(info["devices"]),
+             "default block size: " + ", ".join(f"{k}={v}" for k, v in info["default_block_size"].items()),
+             "kernels:"]
+    for k in info["kernels"]:
+        lines.append(f"  {k['entry_point']:<24} {k['device']:<5} {k['dtype']:<9} block {k['block_size']:<4} "
+                     f"-> {k['backend']}: {k['reason']}")
+    return "\n".join(lines)

@@ -1,0 +1,462 @@
+"""Public kernel entry points: validate, check capacity, then run flash-attn 3, flash-attn 2 or the
+PyTorch reference, whichever is importable and eligible for the inputs.
+
+flash-attn is imported lazily, once; an ImportError or any other exception raised while importing
+(a broken install missing flash_attn_2_cuda, say) never escapes: it becomes the reason string that
+backend_info() reports. flash-attn is always called with keyword arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from flashpage.kernels import reference, validate
+from flashpage.kernels.store import store_kv as _store_kv
+
+ENTRY_POINTS = ("flash_attn_with_kvcache", "flash_attn_varlen_func", "store_kv")
+_MODULES = {"fa2": "flash_attn", "fa3": "flash_attn_interface"}
+_LABELS = {"fa2": "flash-attn", "fa3": "flash-attn 3"}
+_FA2_MIN = (2, 5, 7)  # first release with block_table in flash_attn_varlen_func
+_FA2_SOFTCAP = (2, 6, 0)  # softcap and cache_leftpad arguments
+_imports: dict[str, tuple[ModuleType | None, str]] = {}
+_forced: dict[str, ModuleType] = {}
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """Which implementation a call takes ("fa3", "fa2", "reference" or "torch") and why."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What eligibility depends on."""
+
+    entry: str
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int | None  # None: dense cache / not known
+    alibi: bool = False
+    s_aux: bool = False
+    softcap: bool = False
+    leftpad: bool = False
+
+
+def _version(mod: ModuleType) -> tuple[int, ...]:
+    nums = re.findall(r"\d+", str(getattr(mod, "__version__", "0")))[:3]
+    return tuple(int(x) for x in nums) or (0,)
+
+
+def _load(key: str) -> tuple[ModuleType | None, str]:
+    """Import flash-attn 2 ("fa2") or 3 ("fa3") once; (module, "") or (None, why not)."""
+    if "reference" in _forced:
+        return None, f"{_LABELS[key]} disabled by force_backend('reference')"
+    if key in _forced:
+        return _forced[key], ""
+    if _forced:
+        return None, ""  # the other backend is switched off while one is forced
+    if key not in _imports:
+        try:
+            mod: ModuleType | None = importlib.import_module(_MODULES[key])
+            why = ""
+        except ImportError as exc:
+            mod, why = None, f"{_LABELS[key]} not importable: {exc}"
+        except Exception as exc:  # a broken install can raise anything at import time
+            mod, why = None, f"{_LABELS[key]} import failed (broken install?): {type(exc).__name__}: {exc}"
+        if mod is not None and key == "fa2" and _version(mod) < _FA2_MIN:
+            mod, why = (
+                None,
+                (
+                    f"flash-attn {getattr(mod, '__version__', '?')} is too old (paged KV needs "
+                    ">= 2.5.7); upgrade flash-attn"
+                ),
+            )
+        _imports[key] = (mod, why)
+    return _imports[key]
+
+
+def clear_backend_cache() -> None:
+    """Forget import results (testing hook: the next call imports flash-attn again)."""
+    _imports.clear()
+
+
+@contextmanager
+def force_backend(name: str, module: ModuleType | None) -> Iterator[None]:
+    """Route calls to `module` as if it were flash-attn 2 ("fa2") or 3 ("fa3"), on any device.
+
+    Only the device/compute-capability check is skipped; every other eligibility rule applies and
+    the other flash-attn backend is disabled meanwhile. name="reference" (module ignored) sends
+    every call to the PyTorch reference. Testing hook (not thread-safe).
+    """
+    if name not in (*_MODULES, "reference"):
+        raise ValueError(f"force_backend: name must be 'fa2', 'fa3' or 'reference', got {name!r}")
+    saved = dict(_forced)
+    _forced.clear()
+    _forced[name] = module
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(saved)
+
+
+def _device_problem(key: str, device: torch.device) -> str | None:
+    if key in _forced:
+        return None
+    if device.type != "cuda":
+        return f"device {device.type} is not CUDA ({_LABELS[key]} runs on CUDA GPUs only)"
+    if not torch.cuda.is_available():
+        return "CUDA is not available in this torch build / machine"
+    major, minor = torch.cuda.get_device_capability(device)
+    if key == "fa3" and major != 9:
+        return f"flash-attn 3 needs a Hopper GPU (sm90), this one is sm{major}{minor}"
+    if major < 8:
+        return f"flash-attn needs an Ampere (sm80) or newer GPU, this one is sm{major}{minor}"
+    return None
+
+
+def _problem(key: str, mod: ModuleType, call: _Call) -> str | None:
+    """Why `call` cannot go to flash-attn `key`, or None if it can."""
+    if call.s_aux:
+        return f"s_aux (attention sinks) is not supported by {_LABELS[key]}"
+    if call.dtype not in validate.FLASH_DTYPES:
+        return f"dtype {str(call.dtype).replace('torch.', '')} not supported by flash-attn (fp16/bf16 only)"
+    problem = _device_problem(key, call.device)
+    if problem:
+        return problem
+    if key == "fa3":
+        if call.alibi:
+            return "ALiBi is not supported by flash-attn 3"
+        return None
+    multiple = 128 if getattr(torch.version, "hip", None) else 256
+    if call.block_size is not None and call.block_size % multiple:
+        return (
+            f"block_size {call.block_size} not supported by flash-attn 2 (needs a multiple of "
+            f"{multiple}); use block_size={multiple} or install flash-attn 3"
+        )
+    if (call.softcap or call.leftpad) and _version(mod) < _FA2_SOFTCAP:
+        return f"flash-attn {getattr(mod, '__version__', '?')} has no softcap/cache_leftpad (needs >= 2.6)"
+    return None
+
+
+def _choose(call: _Call) -> tuple[BackendChoice, ModuleType | None]:
+    reasons = []
+    for key in ("fa3", "fa2"):
+        mod, why = _load(key)
+        if mod is None:
+            reasons.append(why)
+            continue
+        problem = _problem(key, mod, call)
+        if problem:
+            reasons.append(problem)
+            continue
+        version = getattr(mod, "__version__", "?")
+        detail = f"{_LABELS[key]} {version} on {call.device.type}, {str(call.dtype).replace('torch.', '')}"
+        if call.block_size is not None:
+            detail += f", block_size {call.block_size}"
+        return BackendChoice(key, f"{key}: {detail}"), mod
+    reasons.reverse()  # flash-attn 2's reason first: it is the one most users install
+    return BackendChoice("reference", "reference: " + "; ".join(r for r in reasons if r)), None
+
+
+def explain(
+    entry: str,
+    *,
+    device,
+    dtype: torch.dtype,
+    block_size: int | None = None,
+    alibi: bool = False,
+    s_aux: bool = False,
+    softcap: bool = False,
+    leftpad: bool = False,
+) -> BackendChoice:
+    """The backend a call of `entry` with these properties takes, and why (backend_info, in detail)."""
+    if entry == "store_kv":
+        return BackendChoice("torch", "torch: one indexed copy into the pages (any device, any dtype)")
+    if entry not in ENTRY_POINTS:
+        raise ValueError(f"explain: entry must be one of {ENTRY_POINTS}, got {entry!r}")
+    call = _Call(entry, torch.device(device), dtype, block_size, alibi, s_aux, softcap, leftpad)
+    return _choose(call)[0]
+
+
+def backend_info(device=None, dtype=None, block_size=None) -> dict[str, BackendChoice]:
+    """What each entry point would run for inputs on `device` with `dtype` and paged `block_size`.
+
+    Defaults: device "cuda" when available else "cpu"; dtype fp16 on CUDA, else fp32; block_size
+    None means "not considered" (dense caches). Returns {entry point name: BackendChoice}.
+    """
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    dt = dtype if dtype is not None else (torch.float16 if dev.type == "cuda" else torch.float32)
+    return {entry: explain(entry, device=dev, dtype=dt, block_size=block_size) for entry in ENTRY_POINTS}
+
+
+def _as_tuple(result) -> tuple:
+    return result if isinstance(result, (tuple, list)) else (result,)
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+    *,
+    s_aux=None,
+):
+    """flash-attn's flash_attn_with_kvcache, on flash-attn when eligible, else the exact reference.
+
+    q: (B, Sq, H, D). k_cache, v_cache: paged (NB, P, Hk, D) with block_table (B, M) int32, or
+    dense (B_cache, S_cache, Hk, D); modified in place when k, v (B, Sn, Hk, D) are given (appended
+    at rows cache_seqlens[b] ..). cache_seqlens: (B,) int32 (a Python int only without block_table).
+    cache_batch_idx, cache_leftpad: (B,) int32, dense only. rotary_cos/sin: (seqlen_ro, rd / 2),
+    only with k/v. alibi_slopes: (H,) or (B, H) fp32. s_aux (flashpage extension): (H,) sink logits.
+    dtypes fp16/bf16 (reference also fp32/fp64), all equal. Returns out (B, Sq, H, D) in q's dtype,
+    and lse (B, H, Sq) fp32 (fp64 for fp64 inputs) when return_softmax_lse.
+    Raises KernelInputError for inputs flash-attn rejects, CapacityError when new tokens do not fit.
+    """
+    window = validate.check_window("flash_attn_with_kvcache", window_size)
+    spec, seqlens = validate.check_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary_cos,
+        rotary_sin,
+        cache_seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        alibi_slopes,
+        s_aux,
+    )
+    validate.check_kvcache_lengths(spec, seqlens, cache_batch_idx, cache_leftpad, block_table)
+    call = _Call(
+        "flash_attn_with_kvcache",
+        q.device,
+        q.dtype,
+        spec.page_size if spec.paged else None,
+        alibi_slopes is not None,
+        s_aux is not None,
+        bool(softcap),
+        cache_leftpad is not None,
+    )
+    choice, mod = _choose(call)
+    if choice.name == "reference":
+        return reference.flash_attn_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            rotary_cos,
+            rotary_sin,
+            seqlens,
+            cache_batch_idx,
+            cache_leftpad,
+            block_table,
+            softmax_scale,
+            causal,
+            window,
+            softcap,
+            rotary_interleaved,
+            alibi_slopes,
+            return_softmax_lse,
+            s_aux,
+            spec,
+        )
+    kwargs = dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        k=k,
+        v=v,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        cache_seqlens=seqlens,
+        cache_batch_idx=cache_batch_idx,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window,
+        rotary_interleaved=rotary_interleaved,
+        num_splits=num_splits,
+        return_softmax_lse=return_softmax_lse,
+    )
+    if choice.name == "fa3":
+        kwargs.update(page_table=block_table, cache_leftpad=cache_leftpad, softcap=softcap)
+    else:
+        kwargs.update(block_table=block_table, alibi_slopes=alibi_slopes)
+        if _version(mod) >= _FA2_SOFTCAP:
+            kwargs.update(cache_leftpad=cache_leftpad, softcap=softcap)
+    result = _as_tuple(mod.flash_attn_with_kvcache(**kwargs))
+    return (result[0], result[1]) if return_softmax_lse else result[0]
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+    *,
+    s_aux=None,
+):
+    """flash-attn's flash_attn_varlen_func (forward only), on flash-attn when eligible, else the reference.
+
+    q: (total_q, H, D) packed by cu_seqlens_q (B + 1,) int32. With block_table (B, M) int32, k and v
+    are the paged caches (NB, P, Hk, D) and sequence b reads cu_seqlens_k[b + 1] - cu_seqlens_k[b]
+    keys from logical row 0 of block_table[b] (no append: store_kv first). Without block_table, k and
+    v are packed (total_k, Hk, D) split by cu_seqlens_k. max_seqlen_q/k: ints >= the true maxima.
+    dropout_p must be 0. alibi_slopes: (H,) or (B, H) fp32. s_aux: (H,) sink logits (extension).
+    Returns out (total_q, H, D), or (out, lse (H, total_q) fp32, None) when return_attn_probs.
+    """
+    window = validate.check_window("flash_attn_varlen_func", window_size)
+    spec = validate.check_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        block_table,
+        alibi_slopes,
+        s_aux,
+    )
+    seq_q, seq_k = validate.check_varlen_lengths(
+        spec, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table
+    )
+    call = _Call(
+        "flash_attn_varlen_func",
+        q.device,
+        q.dtype,
+        spec.page_size if spec.paged else None,
+        alibi_slopes is not None,
+        s_aux is not None,
+        bool(softcap),
+        False,
+    )
+    choice, mod = _choose(call)
+    if choice.name == "reference":
+        return reference.flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+            causal,
+            window,
+            softcap,
+            alibi_slopes,
+            return_attn_probs,
+            block_table,
+            s_aux,
+            spec,
+            seq_q,
+            seq_k,
+        )
+    if choice.name == "fa3" and block_table is not None:
+        seqlens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+        result = _as_tuple(
+            mod.flash_attn_with_kvcache(
+                q=q,
+                k_cache=k,
+                v_cache=v,
+                cache_seqlens=seqlens_k,
+                page_table=block_table,
+                cu_seqlens_q=cu_seqlens_q,
+                max_seqlen_q=max_seqlen_q,
+                softmax_scale=softmax_scale,
+                causal=causal,
+                window_size=window,
+                softcap=softcap,
+                return_softmax_lse=return_attn_probs,
+            )
+        )
+    elif choice.name == "fa3":
+        result = _as_tuple(
+            mod.flash_attn_varlen_func(
+                q=q,
+                k=k,
+                v=v,
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k,
+                softmax_scale=softmax_scale,
+                causal=causal,
+                window_size=window,
+                softcap=softcap,
+                deterministic=deterministic,
+                return_attn_probs=return_attn_probs,
+            )
+        )
+    else:
+        kwargs = dict(
+            q=q,
+            k=k,
+            v=v,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            dropout_p=0.0,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            return_attn_probs=return_attn_probs,
+            block_table=block_table,
+        )
+        if _version(mod) >= _FA2_SOFTCAP:
+            kwargs["softcap"] = softcap
+        result = _as_tuple(mod.flash_attn_varlen_func(**kwargs))
+    return (result[0], result[1], None) if return_attn_probs else result[0]
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter k, v (T, Hk, D) into k_cache, v_cache (NB, P, Hk, D) at slot_mapping (T,) (-1 = skip)."""
+    _store_kv(k_cache, v_cache, k, v, slot_mapping)

@@ -1,0 +1,493 @@
+"""Exact PyTorch implementation of flash-attn's KV-cache attention: the CPU product path.
+
+Same contract as flash-attn 2 (see shared/design/flash-attn-contract.md): paged and dense
+caches, in-place append, bottom-right causal, sliding window, softcap, ALiBi, rotary, GQA/MQA,
+LSE, plus flashpage's attention sinks (s_aux). Inputs are validated by the caller (dispatch.py).
+
+How it stays fast without a Python loop over sequences: sequences are sorted by how many keys
+they read, keys are visited in chunks of a few blocks with an online softmax, and a sequence
+drops out of later chunks once its keys are done, so work is proportional to real tokens.
+GQA reshapes q to (Hk, B, G * Sq, D) instead of repeating K/V; the per-chunk matmuls loop over
+the Hk KV heads (a small constant) on strided views, so gathered pages are never re-laid out.
+Varlen batches are split into a few query-length buckets (1, 2, 3-4, 5-8, ...) so decodes are
+not padded to the longest prefill chunk.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from flashpage.kernels import rotary
+from flashpage.kernels.validate import KvcacheSpec, VarlenSpec
+
+_KV_CHUNK_BYTES = 96 << 20  # gathered K+V (and their fp32 copies) per chunk
+_SCORE_CHUNK_BYTES = 64 << 20  # score matrix per chunk
+_MIN_CHUNK, _MAX_CHUNK = 16, 1024
+_ROW_TILE = 512  # score rows (query positions x group) per tile for causal / windowed attention
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """The masking flash-attn's kernel applies after normalising causal/window (section 3)."""
+
+    causal: bool  # the kernel's is_causal: keys j <= i + Sk - Sq
+    local: bool  # sliding window: i + Sk - Sq - left <= j <= i + Sk - Sq + right
+    left: int
+    right: int
+    scale: float
+    softcap: float
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """Where each sequence's keys live. Paged: logical row r of seq b is
+    k[block_table[b, r // P], r % P]. Dense: k[rows[b], start[b] + r]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    block_table: torch.Tensor | None  # (N, M) int64
+    page: int
+    rows: torch.Tensor | None  # (N,) int64
+    start: torch.Tensor | None  # (N,) int64
+
+    def select(self, idx: torch.Tensor) -> KeyLayout:
+        """The layout of sequences idx (in that order)."""
+        if self.block_table is not None:
+            return KeyLayout(self.k, self.v, self.block_table[idx], self.page, None, None)
+        return KeyLayout(self.k, self.v, None, 0, self.rows[idx], self.start[idx])
+
+
+def normalize_mask(
+    causal: bool,
+    window_size: tuple[int, int],
+    seqlen_q: int,
+    seqlen_k: int,
+    has_alibi: bool,
+    scale: float,
+    softcap: float,
+) -> MaskSpec:
+    """flash-attn's causal/window normalisation (flash_api.cpp + set_params_fprop).
+
+    seqlen_q is q's length (varlen: max_seqlen_q); seqlen_k the cache capacity (varlen: max_seqlen_k).
+    """
+    left, right = window_size
+    if seqlen_q == 1 and not has_alibi:
+        causal = False  # equivalent, and what the kernel does
+    if causal:
+        right = 0
+    if left >= seqlen_k:
+        left = -1
+    if right >= seqlen_k:
+        right = -1
+    is_causal = left < 0 and right == 0
+    if left < 0 and right >= 0:
+        left = seqlen_k
+    if left >= 0 and right < 0:
+        right = seqlen_k
+    local = (left >= 0 or right >= 0) and not is_causal
+    return MaskSpec(is_causal, local, max(left, 0), max(right, 0), scale, softcap)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _row_values(values: torch.Tensor, kv_heads: int, rows_per_head: int) -> torch.Tensor:
+    """Per-(sequence, head) values (N, H) -> per score row (Hk, N, R) with row r = i * G + g."""
+    n, heads = values.shape
+    group = heads // kv_heads
+    per = values.view(n, kv_heads, group).permute(1, 0, 2)  # (Hk, N, G)
+    return per.repeat(1, 1, rows_per_head // group)
+
+
+_POOL = threading.local()  # per-thread CPU scratch buffers, reused across calls (and layers)
+
+
+def clear_workspace() -> None:
+    """Free this thread's cached CPU scratch buffers (at most a few hundred MB)."""
+    _POOL.buffers = {}
+
+
+def _buffer(slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-d scratch tensor of `numel` elements. On CPU it is cached per thread: big fresh
+    allocations page-fault on every call, which costs as much as the attention itself."""
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    pool = getattr(_POOL, "buffers", None)
+    if pool is None:
+        pool = _POOL.buffers = {}
+    buf = pool.get((slot, dtype))
+    if buf is None or buf.numel() < numel:
+        buf = pool[(slot, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+class _Workspace:
+    """Scratch buffers for the chunks of one call."""
+
+    def __init__(self, keys: KeyLayout, n: int, width: int, rows: int, acc: torch.dtype) -> None:
+        hk, d = keys.k.shape[-2], keys.k.shape[-1]
+        dev, dt = keys.k.device, keys.k.dtype
+        size = n * width * hk * d
+        self.convert = dt != acc
+        self.kv = [_buffer(name, size, dt, dev) for name in ("k", "v")]
+        self.kv_acc = (
+            [_buffer(name, size, acc, dev) for name in ("k_acc", "v_acc")] if self.convert else self.kv
+        )
+        self.scores = _buffer("scores", hk * n * rows * width, acc, dev)
+        self.partial = _buffer("partial", hk * n * rows * d, acc, dev)
+
+
+def _gather(
+    keys: KeyLayout, ws: _Workspace, which: int, n: int, pos0: torch.Tensor, width: int, key_len: torch.Tensor
+) -> torch.Tensor:
+    """Keys (which=0) or values (1) at logical rows pos0[b] + [0, width) for the first n sequences,
+    as (n, width, Hk, D) in the accumulation dtype. Rows past a sequence's end hold junk."""
+    src = keys.k if which == 0 else keys.v
+    hk, d = src.shape[-2], src.shape[-1]
+    if keys.block_table is not None:
+        page = keys.page
+        nb = width // page
+        max_blocks = keys.block_table.shape[1]
+        cols = (pos0[:n] // page)[:, None] + torch.arange(nb, device=pos0.device)[None, :]
+        needed = cols * page < key_len[:n, None]
+        ids = keys.block_table[:n].gather(1, cols.clamp(max=max_blocks - 1))
+        ids = torch.where(needed, ids, torch.zeros_like(ids)).flatten()
+        buf = ws.kv[which][: n * width * hk * d].view(n * nb, page, hk, d)
+        torch.index_select(src, 0, ids, out=buf)
+    else:
+        rows = keys.start[:n, None] + pos0[:n, None] + torch.arange(width, device=pos0.device)[None, :]
+        rows = rows.clamp(0, src.shape[1] - 1)
+        buf = ws.kv[which][: n * width * hk * d].view(n, width, hk, d)
+        buf.copy_(src[keys.rows[:n, None], rows])
+    if ws.convert:
+        out = ws.kv_acc[which][: n * width * hk * d].view(buf.shape)
+        out.copy_(buf)
+        buf = out
+    return buf.view(n, width, hk, d)
+
+
+def _chunk_width(keys: KeyLayout, n: int, rows: int, acc: torch.dtype) -> int:
+    """Keys per chunk: bounded by the buffer budgets, a multiple of the page size when paged."""
+    hk, d = keys.k.shape[-2], keys.k.shape[-1]
+    per_key = (
+        2 * n * hk * d * (keys.k.element_size() + (torch.finfo(acc).bits // 8 if keys.k.dtype != acc else 0))
+    )
+    per_score = hk * n * rows * (torch.finfo(acc).bits // 8) * 2
+    width = min(_KV_CHUNK_BYTES // max(per_key, 1), _SCORE_CHUNK_BYTES // max(per_score, 1))
+    width = max(_MIN_CHUNK, min(_MAX_CHUNK, width))
+    if keys.block_table is not None:
+        width = max(1, width // keys.page) * keys.page
+    return width
+
+
+def attend(
+    qh: torch.Tensor,
+    keys: KeyLayout,
+    seq_q: torch.Tensor,
+    seq_k: torch.Tensor,
+    mask: MaskSpec,
+    group: int,
+    slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    in_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention for N sequences over their cached keys.
+
+    qh: (Hk, N, R, D) in the accumulation dtype, R = group * Sq_max, row r is query r // group of
+    head hk * group + r % group. seq_q, seq_k: (N,) int64 true query / key lengths. slopes: (N, H)
+    ALiBi or None. sinks: (H,) s_aux or None. Returns out (Hk, N, R, D) and lse (Hk, N, R) in the
+    accumulation dtype. Long queries are cut into row tiles so that causal / windowed rows only
+    visit the keys they can see.
+    """
+    hk, n_seq, rows, d = qh.shape
+    tile = rows if not (mask.causal or mask.local) else max(group, _ROW_TILE // group * group)
+    if tile >= rows:
+        return _attend_rows(qh, 0, keys, seq_q, seq_k, mask, group, slopes, sinks, in_dtype)
+    out = torch.empty_like(qh)
+    lse = torch.empty(qh.shape[:-1], dtype=qh.dtype, device=qh.device)
+    for r0 in range(0, rows, tile):
+        part = qh[:, :, r0 : r0 + tile]
+        o, lse_part = _attend_rows(
+            part, r0 // group, keys, seq_q, seq_k, mask, group, slopes, sinks, in_dtype
+        )
+        out[:, :, r0 : r0 + tile] = o
+        lse[:, :, r0 : r0 + tile] = lse_part
+    return out, lse
+
+
+def _key_span(
+    first_q: int, rows: int, group: int, seq_q: torch.Tensor, seq_k: torch.Tensor, mask: MaskSpec, page: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """First key to read (aligned down to a page when paged) and how many keys, per sequence,
+    for query rows first_q .. first_q + rows / group - 1 (rows past a sequence's queries ignored)."""
+    last_q = torch.clamp(seq_q - 1, max=first_q + (rows - 1) // group)
+    shift = seq_k - seq_q  # key j is on the diagonal of query i when j == i + shift
+    hi = seq_k
+    if mask.causal or mask.local:
+        hi = torch.minimum(seq_k, last_q + shift + 1 + (0 if mask.causal else mask.right))
+    hi = torch.where(last_q >= first_q, hi.clamp(min=0), torch.zeros_like(hi))
+    lo = torch.zeros_like(seq_k)
+    if mask.local:
+        lo = torch.minimum((first_q + shift - mask.left).clamp(min=0), hi)
+    base = (lo // page) * page if page else lo
+    return base, (hi - base).clamp(min=0)
+
+
+def _attend_rows(qh, first_q, keys, seq_q, seq_k, mask, group, slopes, sinks, in_dtype):
+    """attend() for one tile of rows; first_q is the query index of the tile's row 0."""
+    hk, n_seq, rows, d = qh.shape
+    acc, dev = qh.dtype, qh.device
+    paged = keys.block_table is not None
+    base, span = _key_span(first_q, rows, group, seq_q, seq_k, mask, keys.page if paged else 0)
+    span, order = torch.sort(span, descending=True, stable=True)
+    qh, seq_q, seq_k, base = qh[:, order], seq_q[order], seq_k[order], base[order]
+    keys = keys.select(order)
+    row_vals = None
+    if slopes is not None:  # (Hk, N, rows, 1); rows of a tile start at a multiple of group
+        row_vals = _row_values(slopes[order].to(acc), hk, rows)[..., None]
+    m = torch.full((hk, n_seq, rows), float("-inf"), dtype=acc, device=dev)
+    l_sum = torch.zeros((hk, n_seq, rows), dtype=acc, device=dev)
+    if sinks is not None:
+        m.copy_(_row_values(sinks.to(acc)[None, :].expand(n_seq, -1), hk, rows))
+        l_sum.fill_(1.0)
+    out = torch.zeros((hk, n_seq, rows, d), dtype=acc, device=dev)
+    spans = span.tolist()
+    if n_seq and spans[0] > 0:
+        width = _chunk_width(keys, n_seq, rows, acc)
+        ws = _Workspace(keys, sum(1 for s in spans if s > 0), width, rows, acc)
+        neg = [-s for s in spans]
+        row_q = (first_q + torch.arange(rows, device=dev) // group)[None, None, :, None]
+        offs = torch.arange(width, device=dev)
+        state = (m, l_sum, out)
+        for c in range(-(-spans[0] // width)):
+            n = bisect.bisect_left(neg, -c * width)  # sequences with keys left
+            _chunk(qh, keys, ws, n, base + c * width, width, seq_q, seq_k, mask, row_q, offs, row_vals, state,
+                   in_dtype)  # fmt: skip
+    lse = torch.where(l_sum > 0, m + torch.log(l_sum), torch.full_like(m, float("inf")))
+    res = torch.where(l_sum[..., None] > 0, out / l_sum[..., None], torch.zeros_like(out))
+    unsorted_out, unsorted_lse = torch.empty_like(res), torch.empty_like(lse)
+    unsorted_out[:, order] = res
+    unsorted_lse[:, order] = lse
+    return unsorted_out, unsorted_lse
+
+
+def _chunk(qh, keys, ws, n, pos0, width, seq_q, seq_k, mask, row_q, offs, row_vals, state, in_dtype) -> None:
+    """One key chunk of the online softmax for the first n (sorted) sequences; updates state =
+    (running max, running sum, unnormalised output) in place."""
+    hk, _, rows, d = qh.shape
+    m, l_sum, out = state
+    kc = _gather(keys, ws, 0, n, pos0, width, seq_k)
+    s = ws.scores[: hk * n * rows * width].view(hk, n, rows, width)
+    for h in range(hk):
+        torch.bmm(qh[h, :n], kc[:, :, h, :].transpose(1, 2), out=s[h])
+    if mask.softcap > 0:
+        s.mul_(mask.scale / mask.softcap).tanh_().mul_(mask.softcap)
+    else:
+        s.mul_(mask.scale)
+    pos = (pos0[:n, None] + offs[None, :])[None, :, None, :]  # (1, n, 1, W) logical key index j
+    sk = seq_k[:n].view(1, n, 1, 1)
+    diag = row_q + sk - seq_q[:n].view(1, n, 1, 1)  # (1, n, R, 1): i + Sk - Sq
+    if row_vals is not None:
+        slope = row_vals[:, :n]
+        if mask.causal:
+            s.add_(slope * pos)
+        else:
+            s.sub_(slope * (diag - pos).abs())
+    visible = pos < sk
+    if mask.causal:
+        visible = visible & (pos <= diag)
+    elif mask.local:
+        visible = visible & (pos <= diag + mask.right) & (pos >= diag - mask.left)
+    s.masked_fill_(~visible, float("-inf"))
+    m_old = m[:, :n]
+    m_new = torch.maximum(m_old, s.amax(-1))
+    m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
+    alpha = torch.exp(m_old - m_safe)
+    s.sub_(m_safe[..., None]).exp_()
+    l_sum[:, :n] = l_sum[:, :n] * alpha + s.sum(-1)
+    if in_dtype != s.dtype:
+        s.copy_(s.to(in_dtype))  # P is rounded to the input dtype before P.V, as in the kernel
+    vc = _gather(keys, ws, 1, n, pos0, width, seq_k)
+    o = ws.partial[: hk * n * rows * d].view(hk, n, rows, d)
+    for h in range(hk):
+        torch.bmm(s[h], vc[:, :, h, :], out=o[h])
+    out[:, :n].mul_(alpha[..., None]).add_(o)
+    m[:, :n] = m_new
+
+
+def _append(k_cache, v_cache, k, v, lengths, block_table, page, cache_batch_idx) -> None:
+    """Write the new rows at logical rows lengths[b] + t, in place."""
+    batch, new = k.shape[:2]
+    rows = lengths[:, None] + torch.arange(new, device=lengths.device)[None, :]
+    if block_table is not None:
+        blk = block_table.to(torch.int64).gather(1, rows // page)
+        idx = (blk, rows % page)
+    else:
+        cb = (
+            cache_batch_idx.to(torch.int64)
+            if cache_batch_idx is not None
+            else torch.arange(batch, device=lengths.device)
+        )
+        idx = (cb[:, None].expand(-1, new), rows)
+    k_cache[idx] = k
+    v_cache[idx] = v
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    rotary_cos,
+    rotary_sin,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    rotary_interleaved,
+    alibi_slopes,
+    return_softmax_lse,
+    s_aux,
+    spec: KvcacheSpec,
+):
+    """Reference flash_attn_with_kvcache on validated inputs (cache_seqlens is a tensor or None)."""
+    dev = q.device
+    acc = _acc_dtype(q.dtype)
+    batch, seqlen_q, heads, d = q.shape
+    hk, group = spec.kv_heads, heads // spec.kv_heads
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    mask = normalize_mask(
+        causal, window_size, seqlen_q, spec.capacity, alibi_slopes is not None, scale, float(softcap)
+    )
+    lengths = (
+        cache_seqlens.to(device=dev, dtype=torch.int64)
+        if cache_seqlens is not None
+        else torch.full((batch,), spec.capacity, dtype=torch.int64, device=dev)
+    )
+    if k is not None:
+        if rotary_cos is not None:
+            k = rotary.rotate(
+                k, rotary_cos, rotary_sin, rotary.key_positions(lengths, k.shape[1]), rotary_interleaved
+            )
+        _append(k_cache, v_cache, k, v, lengths, block_table, spec.page_size, cache_batch_idx)
+        if rotary_cos is not None:
+            per_row = mask.causal or mask.local
+            q = rotary.rotate(
+                q,
+                rotary_cos,
+                rotary_sin,
+                rotary.query_positions(lengths, seqlen_q, per_row),
+                rotary_interleaved,
+            )
+    seq_k = lengths + spec.new_tokens
+    if block_table is not None:
+        keys = KeyLayout(k_cache, v_cache, block_table.to(torch.int64), spec.page_size, None, None)
+    else:
+        start = cache_leftpad.to(torch.int64) if cache_leftpad is not None else torch.zeros_like(lengths)
+        seq_k = seq_k - start
+        rows = (
+            cache_batch_idx.to(torch.int64)
+            if cache_batch_idx is not None
+            else torch.arange(batch, device=dev)
+        )
+        keys = KeyLayout(k_cache, v_cache, None, 0, rows, start)
+    qh = q.view(batch, seqlen_q, hk, group, d).permute(2, 0, 1, 3, 4).reshape(hk, batch, seqlen_q * group, d)
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.expand(batch, heads) if alibi_slopes.dim() == 1 else alibi_slopes
+    seq_q = torch.full((batch,), seqlen_q, dtype=torch.int64, device=dev)
+    out, lse = attend(qh.to(acc), keys, seq_q, seq_k, mask, group, slopes, s_aux, q.dtype)
+    out = out.view(hk, batch, seqlen_q, group, d).permute(1, 2, 0, 3, 4).reshape(batch, seqlen_q, heads, d)
+    out = out.to(q.dtype)
+    if not return_softmax_lse:
+        return out
+    lse = lse.view(hk, batch, seqlen_q, group).permute(1, 0, 3, 2).reshape(batch, heads, seqlen_q)
+    return out, lse
+
+
+def _query_buckets(seq_q: list[int]) -> list[list[int]]:
+    """Group sequences by query length: 1, 2, 3-4, 5-8, ... (padding wastes < 2x); skip empty ones."""
+    buckets: dict[int, list[int]] = {}
+    for b, n in enumerate(seq_q):
+        if n > 0:
+            buckets.setdefault((n - 1).bit_length(), []).append(b)
+    return [buckets[key] for key in sorted(buckets)]
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    return_attn_probs,
+    block_table,
+    s_aux,
+    spec: VarlenSpec,
+    seq_q: list[int],
+    seq_k: list[int],
+):
+    """Reference flash_attn_varlen_func on validated inputs (paged with block_table, else packed k/v)."""
+    dev = q.device
+    acc = _acc_dtype(q.dtype)
+    total_q, heads, d = q.shape
+    hk, group = spec.kv_heads, heads // spec.kv_heads
+    scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
+    mask = normalize_mask(
+        causal, window_size, max_seqlen_q, max_seqlen_k, alibi_slopes is not None, scale, float(softcap)
+    )
+    cu_q = cu_seqlens_q.to(torch.int64)
+    if block_table is not None:
+        keys = KeyLayout(k, v, block_table.to(torch.int64), spec.page_size, None, None)
+    else:
+        keys = KeyLayout(
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            None,
+            0,
+            torch.zeros(spec.batch, dtype=torch.int64, device=dev),
+            cu_seqlens_k[:-1].to(torch.int64),
+        )
+    out = torch.zeros_like(q)
+    lse_all = torch.full((heads, total_q), float("inf"), dtype=acc, device=dev)
+    slopes_all = None
+    if alibi_slopes is not None:
+        slopes_all = alibi_slopes.expand(spec.batch, heads) if alibi_slopes.dim() == 1 else alibi_slopes
+    sq_all = torch.tensor(seq_q, dtype=torch.int64, device=dev)
+    sk_all = torch.tensor(seq_k, dtype=torch.int64, device=dev)
+    for members in _query_buckets(seq_q):
+        idx = torch.tensor(members, dtype=torch.int64, device=dev)
+        n, rq = len(members), max(seq_q[b] for b in members)
+        qrows = cu_q[idx][:, None] + torch.arange(rq, device=dev)[None, :]
+        valid = torch.arange(rq, device=dev)[None, :] < sq_all[idx][:, None]
+        qrows = qrows.clamp(max=total_q - 1)
+        qg = q[qrows].view(n, rq, hk, group, d).permute(2, 0, 1, 3, 4).reshape(hk, n, rq * group, d)
+        slopes = slopes_all[idx] if slopes_all is not None else None
+        o, lse = attend(
+            qg.to(acc), keys.select(idx), sq_all[idx], sk_all[idx], mask, group, slopes, s_aux, q.dtype
+        )
+        o = o.view(hk, n, rq, group, d).permute(1, 2, 0, 3, 4).reshape(n, rq, heads, d)
+        lse = lse.view(hk, n, rq, group).permute(1, 2, 0, 3).reshape(n, rq, heads)
+        dst = qrows[valid]
+        out[dst] = o[valid].to(q.dtype)
+        lse_all[:, dst] = lse[valid].transpose(0, 1)
+    if return_attn_probs:
+        return out, lse_all, None
+    return out

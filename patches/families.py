@@ -1,0 +1,56 @@
+"""How each model family is routed through flashpage.
+
+Most decoders call ``ALL_ATTENTION_FUNCTIONS.get_interface(...)``: the generic path (registered
+attention function on the pages) covers them, including their extra kwargs (``sliding_window``,
+Gemma2's ``softcap``, GPT-OSS's ``s_aux`` sinks). A family needs an adapter module only when it
+bypasses that interface or caches something other than per-head K/V; those modules register a
+:class:`FamilySpec` here.
+
+GPT-NeoX calls ``cache.update`` without ``kwargs``: flashpage plans each forward from a hook and
+finds the cache through the module, never through ``kwargs``, so it needs no adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Routing for one ``config.model_type``.
+
+    Attributes:
+        model_type: transformers' ``model_type``.
+        path: "interface" (attention on the pages) or "dense-view" (the model's own attention,
+            or an attention over expanded latents, reads the pages gathered back in its layout).
+        set_attention: whether patching selects flashpage's attention implementation.
+        note: what the adapter does and why.
+    """
+
+    model_type: str
+    path: str
+    set_attention: bool
+    note: str
+
+
+GENERIC = FamilySpec("*", "interface", True, "attention interface; K/V in pages, paged kernels")
+_FAMILIES: dict[str, FamilySpec] = {}
+
+
+def register_family(spec: FamilySpec) -> FamilySpec:
+    """Record a family adapter (called by the family modules at import)."""
+    _FAMILIES[spec.model_type] = spec
+    return spec
+
+
+def family_for(model_type: str) -> FamilySpec:
+    """The spec for ``model_type`` (the generic one when no adapter exists)."""
+    from flashpage.patches import bloom, deepseek, falcon, gpt_oss  # noqa: F401  (register adapters)
+
+    return _FAMILIES.get(model_type, GENERIC)
+
+
+def known_families() -> dict[str, FamilySpec]:
+    """Every family with an adapter module."""
+    family_for("")
+    return dict(_FAMILIES)

@@ -1,0 +1,391 @@
+"""HFPagedCache: a ``transformers.Cache`` whose K/V live in a PagedKVCache.
+
+Each batch row of ``generate()`` is one sequence of the paged cache. Only real tokens are
+stored: a forward hook (installed by ``flashpage.patch``) hands the cache each forward's 2D
+padding mask before any layer runs, and the cache plans the step once (slots, block tables,
+lengths). ``update()`` writes a layer's new K/V into its pages; the registered attention
+function then reads the pages through the paged kernels. To transformers the cache reports the
+logical, padded length it expects, so ``generate()`` slices inputs exactly as with DynamicCache.
+
+Beam search reorders by forking sequences (shared blocks, copy-on-write of the partial last
+block); assisted decoding crops by truncating sequences; a returned cache can be passed to a
+second ``generate()`` call to continue without recomputing the conversation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from flashpage.cache import PagedKVCache, StepPlan, default_block_size
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """KV memory of an HFPagedCache against a dense cache holding the same batch.
+
+    Attributes:
+        num_blocks / block_size / blocks_in_use: pool geometry and occupancy.
+        tokens_stored: real tokens held, summed over sequences (shared blocks count once per
+            sequence that reads them).
+        token_slots_in_use: ``blocks_in_use * block_size``: what the pages actually hold.
+        bytes_in_use: bytes of the blocks in use (all layers, K and V).
+        bytes_allocated: bytes of the whole page pool.
+        dense_bytes: bytes a DynamicCache would hold for the same batch (batch x padded length).
+    """
+
+    num_blocks: int
+    block_size: int
+    blocks_in_use: int
+    tokens_stored: int
+    token_slots_in_use: int
+    bytes_in_use: int
+    bytes_allocated: int
+    dense_bytes: int
+
+    @property
+    def saving(self) -> float:
+        """dense_bytes / bytes_in_use (how many times less memory the pages use)."""
+        return self.dense_bytes / self.bytes_in_use if self.bytes_in_use else float("inf")
+
+
+class _PagedLayer(CacheLayerMixin):
+    """Per-layer view transformers iterates over; all state lives in the parent cache."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, parent: HFPagedCache, layer_idx: int) -> None:
+        super().__init__()
+        self._parent = parent
+        self._layer_idx = layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self._parent.update(key_states, value_states, self._layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._parent.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._parent.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        return None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        return None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        return None
+
+    def offload(self) -> None:
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+
+class HFPagedCache(Cache):
+    """A transformers Cache over a :class:`~flashpage.PagedKVCache` (flash-attn page layout).
+
+    Args:
+        config: the model's config (``model.config``), for the number of layers.
+        num_blocks: pages in the pool; default: sized at the first forward from the batch and
+            ``max_cache_len`` (the pool grows when a generation outlives the estimate, unless
+            ``growable=False``).
+        block_size: tokens per page; default 256 where flash-attn 2 is the kernel, else 16.
+        max_cache_len: expected tokens per sequence, used for the default sizing.
+        enable_prefix_caching: hash full blocks so equal prefixes share pages.
+        growable: enlarge the pool instead of failing when it runs out.
+        dense_view: return the whole padded K/V from ``update()`` (for models that compute
+            attention themselves, e.g. Falcon, Bloom, MLA latents). Set by the family patches.
+
+    Use it through ``flashpage.patch(model)`` (then every ``generate()`` gets one), or pass it
+    yourself: ``model.generate(..., past_key_values=HFPagedCache(model.config))``.
+    """
+
+    def __init__(
+        self,
+        config=None,
+        *,
+        num_layers: int | None = None,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
+        max_cache_len: int | None = None,
+        enable_prefix_caching: bool = False,
+        growable: bool = True,
+        dense_view: bool = False,
+    ) -> None:
+        if num_layers is None:
+            if config is None:
+                raise ValueError("HFPagedCache needs the model config (HFPagedCache(model.config)) or num_layers=")
+            text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            num_layers = int(text_config.num_hidden_layers)
+        super().__init__(layers=[_PagedLayer(self, i) for i in range(num_layers)])
+        self.num_layers = num_layers
+        self._requested_blocks = num_blocks
+        self._block_size = block_size
+        self.max_cache_len = max_cache_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self.growable = growable
+        self.dense_view = dense_view
+        self.kv: PagedKVCache | None = None
+        self.rows: list[int] = []
+        self._next_seq = 0
+        self._logical_len = 0
+        self._real = torch.zeros((0, 0), dtype=torch.bool)  # (B, logical_len): which positions are stored
+        self.plan: StepPlan | None = None
+        self._owns_plan = False
+        self._pending = 0  # new tokens of the forward in flight (committed by end_forward)
+
+    @classmethod
+    def wrap(cls, kv: PagedKVCache, config=None) -> HFPagedCache:
+        """A cache over an existing pool whose steps the caller plans (sets ``.plan``), e.g. the engine."""
+        cache = cls(config, num_layers=kv.num_layers, block_size=kv.block_size)
+        cache.kv = kv
+        return cache
+
+    # ------------------------------------------------------------ transformers API
+    @property
+    def is_compileable(self) -> bool:  # a paged cache must never be compiled with static shapes
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.kv is not None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows) if self.rows else -1
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Logical (padded) length, as transformers counts it."""
+        return self._logical_len
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._logical_len + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def activate_past_recording(self) -> None:
+        return None  # every token is kept; crop() can always roll back
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write a layer's new K/V (B, Hk, L, D) into its pages.
+
+        Returns the inputs unchanged (the paged attention reads the pages), or the whole padded
+        K/V (B, Hk, past + L, D) when ``dense_view`` is on.
+        """
+        if self.plan is None:
+            raise RuntimeError(
+                "HFPagedCache.update() was called outside a planned forward: the model is not patched. "
+                "Call flashpage.patch(model) before passing an HFPagedCache to it."
+            )
+        b, hk, length, d = key_states.shape
+        k = key_states.transpose(1, 2).reshape(b * length, hk, d)
+        v = value_states.transpose(1, 2).reshape(b * length, hk, value_states.shape[-1])
+        self.kv.write(layer_idx, k, v, self.plan)
+        if self.dense_view:
+            return self._dense(layer_idx, key_states.dtype)
+        return key_states, value_states
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` continues row ``beam_idx[i]``; blocks are shared, never copied."""
+        self._select(beam_idx.tolist())
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(torch.as_tensor(indices).tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select([i for i in range(len(self.rows)) for _ in range(repeats)])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop tokens from the end: ``crop(-n)`` removes n; ``crop(n >= 0)`` keeps n (legacy)."""
+        remove = -tokens_to_remove if tokens_to_remove < 0 else self._logical_len - tokens_to_remove
+        if remove <= 0 or self.kv is None:
+            return
+        remove = min(remove, self._logical_len)
+        real_removed = self._real[:, self._logical_len - remove:].sum(dim=1).tolist()
+        for seq, n in zip(self.rows, real_removed, strict=True):
+            if n:
+                self.kv.truncate(seq, self.kv.num_tokens(seq) - n)
+        self._logical_len -= remove
+        self._real = self._real[:, : self._logical_len]
+
+    def reset(self) -> None:
+        """Free every sequence (the pool stays allocated for reuse)."""
+        if self.kv is not None:
+            for seq in self.rows:
+                self.kv.free(seq)
+        self.rows = []
+        self._logical_len = 0
+        self._real = torch.zeros((0, 0), dtype=torch.bool)
+        self.plan = None
+
+    # ------------------------------------------------------------- planning
+    def begin_forward(self, input_ids: torch.Tensor | None, batch: int, length: int,
+                      attention_mask: torch.Tensor | None, device: torch.device | None = None) -> None:
+        """Plan one forward of ``batch`` rows x ``length`` new tokens (called by the patch hook).
+
+        Args:
+            input_ids: (batch, length) token ids, or None (inputs_embeds); used for prefix hashing.
+            attention_mask: 2D (batch, past + length) or (batch, length) padding mask, or None.
+        """
+        if self.plan is not None:  # left over from a forward that was interrupted
+            self.end_forward(ok=False)
+        if self.kv is None:
+            self._create_pool(batch, length, device)
+        if not self.rows:
+            self._add_rows(batch)
+        if batch != len(self.rows):
+            raise ValueError(
+                f"HFPagedCache holds {len(self.rows)} sequences but this forward has batch size {batch}; "
+                "a cache continues the batch it was filled with (use a new cache, or cache.reset())"
+            )
+        new_mask = self._new_token_mask(attention_mask, batch, length)
+        counts, token_index = self._real_tokens(new_mask, batch, length)
+        tokens = self._token_lists(input_ids, new_mask) if self.enable_prefix_caching else None
+        self._ensure_capacity(counts)
+        self.plan = self.kv.plan_step(self.rows, counts, tokens, token_index=token_index,
+                                      uniform_query=token_index is None)
+        self._owns_plan = True
+        self._pending = length
+        self._real = torch.cat([self._real, new_mask], dim=1)
+
+    @property
+    def owns_plan(self) -> bool:
+        """The current plan was made by :meth:`begin_forward` (not handed in with :meth:`set_plan`)."""
+        return self._owns_plan
+
+    def set_plan(self, plan: StepPlan) -> None:
+        """Use a plan made by the caller (the engine) for the next forward."""
+        self.plan = plan
+        self._owns_plan = False
+
+    def end_forward(self, ok: bool = True) -> None:
+        """Commit the planned tokens (``ok``) or roll them back (the forward failed)."""
+        plan, self.plan = self.plan, None
+        if plan is None or not self._owns_plan:
+            return
+        if ok:
+            self._logical_len += self._pending
+        else:
+            for seq, n in zip(plan.seq_ids, plan.context_lens, strict=True):
+                self.kv.truncate(seq, n)
+            self._real = self._real[:, : self._logical_len]
+        self._pending = 0
+
+    def _create_pool(self, batch: int, length: int, device: torch.device | None) -> None:
+        block_size = self._block_size or default_block_size(device)
+        per_seq = self.max_cache_len or (length + 256)
+        num_blocks = self._requested_blocks or batch * (math.ceil(per_seq / block_size) + 1) + 1
+        self.kv = PagedKVCache(self.num_layers, None, None, num_blocks=num_blocks, block_size=block_size,
+                               dtype=None, enable_prefix_caching=self.enable_prefix_caching)
+
+    def _add_rows(self, batch: int) -> None:
+        for _ in range(batch):
+            self.rows.append(self._new_seq())
+            self.kv.add_sequence(self.rows[-1])
+        self._real = torch.zeros((batch, self._logical_len), dtype=torch.bool)
+
+    def _new_seq(self) -> int:
+        self._next_seq += 1
+        return self._next_seq
+
+    def _new_token_mask(self, attention_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
+        if attention_mask is None or attention_mask.dim() != 2:
+            return torch.ones((batch, length), dtype=torch.bool)
+        width = attention_mask.shape[1]
+        if width not in (length, self._logical_len + length):
+            raise ValueError(
+                f"attention_mask has {width} columns; expected {self._logical_len + length} (cached "
+                f"{self._logical_len} + new {length}) or {length}"
+            )
+        return attention_mask[:, width - length:].to("cpu", torch.bool)
+
+    @staticmethod
+    def _real_tokens(new_mask: torch.Tensor, batch: int, length: int) -> tuple[list[int], torch.Tensor | None]:
+        if bool(new_mask.all()):
+            return [length] * batch, None
+        counts = new_mask.sum(dim=1).tolist()
+        return counts, new_mask.reshape(-1).nonzero().squeeze(1)
+
+    @staticmethod
+    def _token_lists(input_ids: torch.Tensor | None, new_mask: torch.Tensor) -> list[list[int]] | None:
+        if input_ids is None:
+            return None
+        ids = input_ids.to("cpu")
+        return [row[m].tolist() for row, m in zip(ids, new_mask, strict=True)]
+
+    def _ensure_capacity(self, counts: Sequence[int]) -> None:
+        needed = self.kv.blocks_needed(self.rows, counts)
+        free = self.kv.blocks.num_free_blocks
+        if needed > free and self.growable:
+            self.kv.grow(max(2 * self.kv.num_blocks, self.kv.num_blocks + needed - free))
+
+    def _select(self, rows: list[int]) -> None:
+        """New row i continues old row ``rows[i]`` (fork: shared blocks, COW of the last one)."""
+        if self.kv is None or not self.rows:
+            return
+        old = self.rows
+        new_rows = []
+        for src in rows:
+            seq = self._new_seq()
+            self.kv.fork(old[src], seq)
+            new_rows.append(seq)
+        for seq in old:
+            self.kv.free(seq)
+        self.rows = new_rows
+        self._real = self._real[torch.as_tensor(rows, dtype=torch.long)]
+
+    def _dense(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, Hk, logical_len, D) K/V with stored tokens at their logical positions, zeros at pads."""
+        k, v, lengths = self.kv.gather(layer_idx, self.rows)
+        b, total = len(self.rows), self._logical_len + self._pending
+        real = self._real.to(k.device)
+        valid = torch.arange(k.shape[1], device=k.device)[None, :] < torch.tensor(lengths, device=k.device)[:, None]
+        dense_k = k.new_zeros((b, total, *k.shape[2:]))
+        dense_v = v.new_zeros((b, total, *v.shape[2:]))
+        dense_k[real] = k[valid]
+        dense_v[real] = v[valid]
+        return dense_k.transpose(1, 2).to(dtype), dense_v.transpose(1, 2).to(dtype)
+
+    # -------------------------------------------------------------- reporting
+    def memory_stats(self) -> MemoryStats:
+        """Blocks, bytes and tokens held, against a dense cache for the same batch."""
+        if self.kv is None or self.kv.dtype is None:
+            return MemoryStats(0, self._block_size or 0, 0, 0, 0, 0, 0, 0)
+        stats = self.kv.stats()
+        per_block = self.kv.bytes_per_block()
+        per_token = per_block // self.kv.block_size
+        return MemoryStats(
+            num_blocks=stats.num_blocks,
+            block_size=stats.block_size,
+            blocks_in_use=stats.in_use,
+            tokens_stored=sum(self.kv.num_tokens(s) for s in self.rows),
+            token_slots_in_use=stats.in_use * stats.block_size,
+            bytes_in_use=stats.in_use * per_block,
+            bytes_allocated=self.kv.allocated_bytes(),
+            dense_bytes=len(self.rows) * self._logical_len * per_token,
+        )
+
+    def __repr__(self) -> str:
+        return (f"HFPagedCache(rows={len(self.rows)}, logical_len={self._logical_len}, "
+                f"block_size={self.kv.block_size if self.kv else self._block_size})")

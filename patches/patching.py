@@ -1,0 +1,225 @@
+"""``patch(model)``, ``unpatch(model)`` and ``patched(model)``.
+
+Patching a HuggingFace causal LM:
+1. registers flashpage's attention and mask functions and selects them on the model (families
+   that bypass the attention interface keep their own attention, see ``families.py``);
+2. hooks the decoder's forward so an :class:`HFPagedCache` passed to it is planned once per
+   forward (slots, block tables, lengths) from the input and its 2D padding mask;
+3. makes ``generate()`` create an HFPagedCache sized for the call whenever the caller gives no
+   cache (and ``use_cache`` is not False).
+``unpatch`` restores the previous attention implementation and generate behaviour exactly.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import MethodType
+from typing import Any
+
+import torch
+
+from flashpage.patches.attention import ATTN_NAME, register
+from flashpage.patches.families import FamilySpec, family_for
+from flashpage.patches.hf_cache import HFPagedCache
+
+_STATE_ATTR = "_flashpage_patch"
+_CACHE_KWARGS = ("cache", "past_key_values")
+
+
+@dataclass
+class PatchState:
+    """What ``patch`` changed on one model, so ``unpatch`` can undo exactly that."""
+
+    family: FamilySpec
+    cache_options: dict[str, Any]
+    previous_attn: str | None
+    hooks: list[Any] = field(default_factory=list)
+    active_cache: HFPagedCache | None = None
+    planner: torch.nn.Module | None = None  # the hooked module whose forward is in flight
+    had_prepare_override: bool = False
+
+
+class UnsupportedModelError(TypeError):
+    """The model cannot be routed through flashpage."""
+
+
+def patch(model: torch.nn.Module, **cache_options: Any) -> torch.nn.Module:
+    """Route ``model``'s attention through flashpage and make ``generate()`` use paged KV.
+
+    Args:
+        model: a transformers causal LM (``AutoModelForCausalLM`` and friends).
+        **cache_options: defaults for the HFPagedCache each ``generate()`` creates
+            (``block_size``, ``num_blocks``, ``enable_prefix_caching``, ``growable``).
+
+    Returns:
+        The same model, patched in place. Patching again only updates ``cache_options``.
+    """
+    state: PatchState | None = getattr(model, _STATE_ATTR, None)
+    if state is not None:
+        state.cache_options.update(cache_options)
+        return model
+    _check_cache_options(cache_options)
+    family = _family_of(model)
+    register()
+    state = PatchState(family=family, cache_options=dict(cache_options),
+                       previous_attn=getattr(model.config, "_attn_implementation", None))
+    if family.set_attention:
+        model.set_attn_implementation(ATTN_NAME)
+    for module in model.modules():
+        module._flashpage_state = state
+    for module in _hooked_modules(model):
+        state.hooks.append(module.register_forward_pre_hook(_pre_hook(state), with_kwargs=True))
+        state.hooks.append(module.register_forward_hook(_post_hook(state), with_kwargs=True, always_call=True))
+    state.had_prepare_override = "_prepare_cache_for_generation" in vars(model)
+    model._prepare_cache_for_generation = MethodType(_prepare_paged_cache, model)
+    setattr(model, _STATE_ATTR, state)
+    return model
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`patch`: previous attention implementation, hooks and generate behaviour."""
+    state: PatchState | None = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        return model
+    for handle in state.hooks:
+        handle.remove()
+    if state.family.set_attention and state.previous_attn is not None:
+        model.set_attn_implementation(state.previous_attn)
+    for module in model.modules():
+        if "_flashpage_state" in vars(module):
+            del module._flashpage_state
+    if not state.had_prepare_override:
+        del model._prepare_cache_for_generation
+    delattr(model, _STATE_ATTR)
+    return model
+
+
+@contextmanager
+def patched(model: torch.nn.Module, **cache_options: Any) -> Iterator[torch.nn.Module]:
+    """``with patched(model): model.generate(...)`` patches for the block, then restores."""
+    was_patched = is_patched(model)
+    patch(model, **cache_options)
+    try:
+        yield model
+    finally:
+        if not was_patched:
+            unpatch(model)
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    return getattr(model, _STATE_ATTR, None) is not None
+
+
+def patch_state(model: torch.nn.Module) -> PatchState | None:
+    return getattr(model, _STATE_ATTR, None)
+
+
+# --------------------------------------------------------------------- checks
+_OPTION_NAMES = {"block_size", "num_blocks", "enable_prefix_caching", "growable", "max_cache_len"}
+
+
+def _check_cache_options(options: dict[str, Any]) -> None:
+    unknown = set(options) - _OPTION_NAMES
+    if unknown:
+        raise TypeError(f"flashpage.patch got unknown cache option(s) {sorted(unknown)}; "
+                        f"allowed: {sorted(_OPTION_NAMES)}")
+
+
+def _family_of(model: torch.nn.Module) -> FamilySpec:
+    config = getattr(model, "config", None)
+    name = type(model).__name__
+    if config is None or not hasattr(model, "generate"):
+        raise UnsupportedModelError(
+            f"flashpage.patch needs a transformers causal LM with generate(); got {name}. "
+            "Load it with AutoModelForCausalLM.from_pretrained(...)")
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"flashpage.patch supports decoder-only causal LMs; {name} (model_type="
+            f"{config.model_type!r}) is encoder-decoder. Use it unpatched.")
+    text_config = config.get_text_config(decoder=True)
+    family = family_for(text_config.model_type)
+    if family.set_attention and not model._can_set_attn_implementation():
+        raise UnsupportedModelError(
+            f"flashpage cannot patch {name} (model_type={text_config.model_type!r}): its attention does not go "
+            "through transformers' AttentionInterface and flashpage has no adapter for it. Use it unpatched, "
+            "or add an adapter module in flashpage/patches (see patches/falcon.py).")
+    return family
+
+
+def _hooked_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model itself, and its base model in case that is called directly (outer one plans)."""
+    base = getattr(model, "base_model", model)
+    return [model] if base is model or not isinstance(base, torch.nn.Module) else [model, base]
+
+
+# ---------------------------------------------------------------------- hooks
+def _bound_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    if not args:
+        return kwargs
+    try:
+        return dict(inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments)
+    except TypeError:
+        return kwargs
+
+
+def _pre_hook(state: PatchState):
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if state.planner is not None and state.active_cache is not None and module is not state.planner:
+            return  # the outer model already planned this forward
+        state.planner = module
+        inputs = _bound_arguments(module, args, kwargs)
+        cache = next((inputs[k] for k in _CACHE_KWARGS if inputs.get(k) is not None), None)
+        if not isinstance(cache, HFPagedCache):
+            state.active_cache = None
+            return
+        cache.dense_view = cache.dense_view or state.family.path == "dense-view"
+        if cache.plan is None or cache.owns_plan:  # the engine plans its own steps; generate()'s are planned here
+            input_ids = inputs.get("input_ids")
+            shaped = input_ids if input_ids is not None else inputs.get("inputs_embeds")
+            batch, length = shaped.shape[0], shaped.shape[1]
+            cache.begin_forward(input_ids, batch, length, inputs.get("attention_mask"), shaped.device)
+        state.active_cache = cache
+
+    return hook
+
+
+def _post_hook(state: PatchState):
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if module is not state.planner:
+            return
+        cache, state.active_cache, state.planner = state.active_cache, None, None
+        if cache is not None:
+            cache.end_forward(ok=output is not None)
+
+    return hook
+
+
+# ------------------------------------------------------------------- generate
+def _prepare_paged_cache(self, generation_config, model_kwargs: dict, generation_mode, batch_size: int,
+                         max_cache_length: int):
+    """Stand-in for ``GenerationMixin._prepare_cache_for_generation``: an HFPagedCache by default."""
+    original = type(self)._prepare_cache_for_generation
+    wants_other = (model_kwargs.get("cache") is not None or generation_config.use_cache is False
+                   or generation_config.cache_implementation is not None
+                   or not self._supports_default_dynamic_cache())
+    if wants_other:
+        return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+    state: PatchState = getattr(self, _STATE_ATTR)
+    options = dict(state.cache_options)
+    expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+    options.setdefault("max_cache_len", max_cache_length)
+    if "num_blocks" not in options:
+        options["num_blocks"] = _blocks_for(batch_size * expand, max_cache_length, options.get("block_size"),
+                                            self.device)
+    model_kwargs["cache"] = HFPagedCache(self.config, **options)
+    return None
+
+
+def _blocks_for(rows: int, max_len: int, block_size: int | None, device: torch.device) -> int:
+    from flashpage.cache import default_block_size
+
+    bs = block_size or default_block_size(device)
+    return rows * (-(-max_len // bs) + 1) + 1

@@ -1,0 +1,87 @@
+"""Tiny random-weight models of every supported family, built from configs (no downloads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB = 128
+PAD, EOS, BOS = 0, 1, 2
+
+_COMMON: dict[str, Any] = dict(vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS,
+                               tie_word_embeddings=False)
+_LLAMA_LIKE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=256)
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": _LLAMA_LIKE,
+    "mistral": {**_LLAMA_LIKE, "sliding_window": 8},
+    "qwen2": {**_LLAMA_LIKE},
+    "qwen3": {**_LLAMA_LIKE, "head_dim": 16},
+    "qwen3_moe": {**_LLAMA_LIKE, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "decoder_sparse_step": 1},
+    "gemma": {**_LLAMA_LIKE, "head_dim": 16},
+    "gemma2": {**_LLAMA_LIKE, "head_dim": 16, "sliding_window": 8, "attn_logit_softcapping": 5.0,
+               "final_logit_softcapping": 3.0, "query_pre_attn_scalar": 16},
+    "gemma3_text": {**_LLAMA_LIKE, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
+                    "layer_types": ["sliding_attention", "full_attention"]},
+    "phi3": {**_LLAMA_LIKE},
+    "gpt_neox": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     max_position_embeddings=256, rotary_pct=0.5),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    "opt": dict(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=256, word_embed_proj_dim=64),
+    "mixtral": {**_LLAMA_LIKE, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "olmo2": {**_LLAMA_LIKE},
+    "starcoder2": {**_LLAMA_LIKE, "sliding_window": 8},
+    "cohere": {**_LLAMA_LIKE},
+    "phi": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=256, partial_rotary_factor=0.5),
+    "gptj": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8),
+    "gpt_bigcode": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True),
+    "granite": {**_LLAMA_LIKE},
+    "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=1,
+                   multi_query=True, new_decoder_architecture=False, alibi=False),
+    "bloom": dict(hidden_size=64, n_layer=2, n_head=4),
+    "gpt_oss": {**_LLAMA_LIKE, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, n_group=1, topk_group=1,
+                        max_position_embeddings=256),
+}
+
+
+def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A float32 random-weight causal LM of ``model_type``, in eval mode, with sdpa attention."""
+    torch.manual_seed(seed)
+    kwargs = {**_COMMON, **FAMILIES[model_type], **overrides}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _scale_up(model)
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = EOS
+    return model.eval()
+
+
+def _scale_up(model: torch.nn.Module) -> None:
+    """Random init gives near-uniform logits (many near-ties); widen them so greedy is decisive."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and ("lm_head" in name or "embed" in name or "wte" in name):
+                p.mul_(4.0)
+
+
+def left_padded_batch(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of the given lengths, left-padded: (input_ids, attention_mask)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask

@@ -144,6 +144,15 @@ class BlockManager:
         if b.key is not None:
             b.reset()
 
+    def _invalidate(self, b: _Block) -> None:
+        """Drop a block's key whoever holds it: its content is not what the key says."""
+        if self._registered(b):
+            del self._table[b.key]
+            if b.ref_count == 0:
+                self._num_cached -= 1
+        if b.key is not None:
+            b.reset()
+
     def _register(self, seq: _Seq, i: int) -> None:
         """Give the full block ``i`` of ``seq`` a key if its tokens and its prefix are known."""
         bs = self.block_size
@@ -286,14 +295,22 @@ class BlockManager:
             self._release(bid)
         self._drop_dead_copies()
 
-    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
-        """Shorten ``seq_id`` to its first ``num_tokens`` tokens (speculative-decoding rollback)."""
+    def truncate(self, seq_id: Hashable, num_tokens: int, *, invalidate: bool = False) -> None:
+        """Shorten ``seq_id`` to its first ``num_tokens`` tokens (speculative-decoding rollback).
+
+        ``invalidate=True`` says the dropped tokens' KV was never (validly) written, e.g. the
+        forward that should have written them failed: the blocks that held them lose their
+        prefix-cache keys, whoever else holds them, so no later lookup can be served from them.
+        """
         seq = self._get(seq_id)
         if not 0 <= num_tokens <= seq.num_tokens:
             raise ValueError(
                 f"cannot truncate sequence {seq_id!r} to {num_tokens} tokens: "
                 f"it has {seq.num_tokens}; use 0 <= num_tokens <= {seq.num_tokens}"
             )
+        if invalidate:
+            for bid in seq.blocks[num_tokens // self.block_size:]:
+                self._invalidate(self._blocks[bid])
         keep = -(-num_tokens // self.block_size)
         for bid in reversed(seq.blocks[keep:]):
             self._release(bid)

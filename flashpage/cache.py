@@ -295,9 +295,13 @@ class PagedKVCache:
         """Release a sequence's blocks (hashed full blocks stay reusable until evicted)."""
         self.blocks.free(seq_id)
 
-    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
-        """Shorten a sequence to ``num_tokens`` tokens (speculative-decoding rollback)."""
-        self.blocks.truncate(seq_id, num_tokens)
+    def truncate(self, seq_id: Hashable, num_tokens: int, *, invalidate: bool = False) -> None:
+        """Shorten a sequence to ``num_tokens`` tokens (speculative-decoding rollback).
+
+        ``invalidate=True`` when the dropped tokens' K/V was never written (a failed forward): their
+        blocks are removed from the prefix cache so nothing is ever served from them.
+        """
+        self.blocks.truncate(seq_id, num_tokens, invalidate=invalidate)
 
     def num_tokens(self, seq_id: Hashable) -> int:
         return self.blocks.num_tokens(seq_id)
@@ -342,11 +346,51 @@ class PagedKVCache:
         for i, (seq, n) in enumerate(zip(seq_ids, num_new, strict=True)):
             toks = token_ids[i] if token_ids is not None else None
             slots.extend(self.blocks.append(seq, n, toks))
+        return self.plan_allocated(seq_ids, num_new, context, slots, token_index=token_index,
+                                   uniform_query=uniform_query)
+
+    def plan_allocated(
+        self,
+        seq_ids: Sequence[Hashable],
+        num_new: Sequence[int],
+        context_lens: Sequence[int],
+        slots: Sequence[int],
+        *,
+        token_index: torch.Tensor | None = None,
+        uniform_query: bool | None = None,
+    ) -> StepPlan:
+        """Build the plan for tokens whose slots were already allocated (``blocks.append``).
+
+        Runs the pending copy-on-write block copies first. ``context_lens[i]`` is the length of
+        sequence i before this step; ``slots`` the new tokens' slots in packed order.
+        """
         tables = [self.blocks.block_table(s) for s in seq_ids]
         self._copy_blocks(self.blocks.pop_copies())
         if uniform_query is None:
             uniform_query = token_index is None and len(set(num_new)) <= 1
-        return _build_plan(list(seq_ids), list(num_new), context, slots, tables, token_index, uniform_query)
+        return _build_plan(list(seq_ids), list(num_new), list(context_lens), list(slots), tables, token_index,
+                           uniform_query)
+
+    def plan_new_sequences(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]]) -> StepPlan:
+        """Add sequences in order, each reusing cached blocks (also those of the sequences added
+        just before it), and plan computing their remaining tokens.
+
+        ``plan.context_lens[i]`` is how many leading tokens of ``token_ids[i]`` were already cached
+        (their K/V is not written again); ``plan.query_lens[i]`` the rest. ``token_index`` is None:
+        set it when the input holds the cached tokens too.
+        """
+        needed = sum(-(-len(t) // self.block_size) for t in token_ids)
+        if needed > self.blocks.num_free_blocks:
+            raise NoFreeBlocksError(needed, self.blocks.num_free_blocks, "adding these sequences")
+        context: list[int] = []
+        slots: list[int] = []
+        for seq, toks in zip(seq_ids, token_ids, strict=True):
+            cached = self.blocks.add_sequence(seq, list(toks))
+            slots.extend(self.blocks.append(seq, len(toks) - cached, list(toks[cached:])))
+            context.append(cached)
+        tables = [self.blocks.block_table(s) for s in seq_ids]
+        num_new = [len(t) - c for t, c in zip(token_ids, context, strict=True)]
+        return _build_plan(list(seq_ids), num_new, context, slots, tables, None, uniform_query=False)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Run copy-on-write copies (src -> dst block) in every allocated layer, before any write."""

@@ -28,10 +28,24 @@ ATTN_NAME = "pagedkv"
 
 
 def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-               mask_function: Any = None, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
-    """Mask function: hand through the 2D padding mask (B, kv_length), or None when nothing is padded."""
-    if attention_mask is None or attention_mask.dim() != 2:
+               mask_function: Any = None, attention_mask: torch.Tensor | None = None,
+               device: torch.device | str = "cpu", **kwargs) -> torch.Tensor | None:
+    """Mask function: the 2D padding mask (B, kv_length), or None when nothing is padded.
+
+    Keys past the written ones (a static cache is ``kv_length`` wide but holds only
+    ``q_offset + q_length`` tokens) are marked padding so the dense path never reads them.
+    """
+    if attention_mask is not None and attention_mask.dim() != 2:
         return attention_mask
+    filled = int(q_offset) + q_length
+    narrow = attention_mask is None or attention_mask.shape[1] < kv_length
+    if narrow and kv_length > filled and kv_offset == 0:
+        written = (attention_mask[:, -filled:].to(torch.bool) if attention_mask is not None
+                   else torch.ones((batch_size, filled), dtype=torch.bool, device=device))
+        empty = torch.zeros((batch_size, kv_length - filled), dtype=torch.bool, device=written.device)
+        return torch.cat([written, empty], dim=1)
+    if attention_mask is None:
+        return None
     attention_mask = attention_mask[:, -kv_length:]
     if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
         return None
@@ -115,6 +129,9 @@ def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attentio
         out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, **options)
         return out[..., :dv].contiguous()
     key_mask = attention_mask[:, -lk:].to(torch.bool)
+    written = int(key_mask.any(0).nonzero().max()) + 1 if bool(key_mask.any()) else lq
+    if written < lk:  # a static cache: drop its never-written tail so the queries are the last keys again
+        key_mask, k, v, lk = key_mask[:, :written], k[:, :written], v[:, :written], written
     q_mask = key_mask[:, -lq:]
     q_index = q_mask.reshape(-1).nonzero().squeeze(1)
     k_index = key_mask.reshape(-1).nonzero().squeeze(1)

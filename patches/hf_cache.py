@@ -107,7 +107,8 @@ class HFPagedCache(Cache):
             ``growable=False``).
         block_size: tokens per page; default 256 where flash-attn 2 is the kernel, else 16.
         max_cache_len: expected tokens per sequence, used for the default sizing.
-        enable_prefix_caching: hash full blocks so equal prefixes share pages.
+        enable_prefix_caching: rows whose prompts start with equal full blocks share those pages
+            (e.g. ``num_return_sequences``, beams, a common system prompt); default on.
         growable: enlarge the pool instead of failing when it runs out.
         dense_view: return the whole padded K/V from ``update()`` (for models that compute
             attention themselves, e.g. Falcon, Bloom, MLA latents). Set by the family patches.
@@ -124,7 +125,7 @@ class HFPagedCache(Cache):
         num_blocks: int | None = None,
         block_size: int | None = None,
         max_cache_len: int | None = None,
-        enable_prefix_caching: bool = False,
+        enable_prefix_caching: bool = True,
         growable: bool = True,
         dense_view: bool = False,
     ) -> None:
@@ -217,11 +218,13 @@ class HFPagedCache(Cache):
         self._select([i for i in range(len(self.rows)) for _ in range(repeats)])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop tokens from the end: ``crop(-n)`` removes n; ``crop(n >= 0)`` keeps n (legacy)."""
-        remove = -tokens_to_remove if tokens_to_remove < 0 else self._logical_len - tokens_to_remove
-        if remove <= 0 or self.kv is None:
+        """Drop the last ``-tokens_to_remove`` tokens (transformers 5: ``crop(-n)``; ``crop(0)`` is a no-op)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"HFPagedCache.crop({tokens_to_remove}): pass a negative number of tokens to remove "
+                             "(transformers 5 semantics), e.g. crop(-2)")
+        if tokens_to_remove == 0 or self.kv is None:
             return
-        remove = min(remove, self._logical_len)
+        remove = min(-tokens_to_remove, self._logical_len)
         real_removed = self._real[:, self._logical_len - remove:].sum(dim=1).tolist()
         for seq, n in zip(self.rows, real_removed, strict=True):
             if n:
@@ -252,6 +255,10 @@ class HFPagedCache(Cache):
             self.end_forward(ok=False)
         if self.kv is None:
             self._create_pool(batch, length, device)
+        new_mask = self._new_token_mask(attention_mask, batch, length)
+        if not self.rows and self.enable_prefix_caching and input_ids is not None:
+            self._plan_shared_prefill(input_ids, new_mask, batch, length)
+            return
         if not self.rows:
             self._add_rows(batch)
         if batch != len(self.rows):
@@ -259,15 +266,37 @@ class HFPagedCache(Cache):
                 f"HFPagedCache holds {len(self.rows)} sequences but this forward has batch size {batch}; "
                 "a cache continues the batch it was filled with (use a new cache, or cache.reset())"
             )
-        new_mask = self._new_token_mask(attention_mask, batch, length)
         counts, token_index = self._real_tokens(new_mask, batch, length)
         tokens = self._token_lists(input_ids, new_mask) if self.enable_prefix_caching else None
         self._ensure_capacity(counts)
-        self.plan = self.kv.plan_step(self.rows, counts, tokens, token_index=token_index,
-                                      uniform_query=token_index is None)
+        plan = self.kv.plan_step(self.rows, counts, tokens, token_index=token_index,
+                                 uniform_query=token_index is None)
+        self._start(plan, new_mask, length)
+
+    def _start(self, plan: StepPlan, new_mask: torch.Tensor, length: int) -> None:
+        self.plan = plan
         self._owns_plan = True
         self._pending = length
-        self._real = torch.cat([self._real, new_mask], dim=1)
+        self._real = torch.cat([self._real, new_mask], dim=1) if self._real.shape[0] else new_mask
+
+    def _plan_shared_prefill(self, input_ids: torch.Tensor, new_mask: torch.Tensor, batch: int,
+                             length: int) -> None:
+        """First forward with prefix caching: rows with equal leading blocks share their pages.
+
+        A row's cached tokens are neither written again nor attended from (their query rows get 0;
+        only K/V of later tokens and the last token's logits matter, and at least the last token of
+        each row is always computed).
+        """
+        tokens = self._token_lists(input_ids, new_mask)
+        self._ensure_capacity([len(t) for t in tokens], rows=[])
+        self.rows = [self._new_seq() for _ in range(batch)]
+        plan = self.kv.plan_new_sequences(self.rows, tokens)
+        keep = new_mask.clone()
+        for b, cached in enumerate(plan.context_lens):
+            if cached:
+                keep[b, new_mask[b].nonzero().squeeze(1)[:cached]] = False
+        plan.token_index = keep.reshape(-1).nonzero().squeeze(1)
+        self._start(plan, new_mask, length)
 
     @property
     def owns_plan(self) -> bool:
@@ -286,9 +315,15 @@ class HFPagedCache(Cache):
             return
         if ok:
             self._logical_len += self._pending
+        elif self._logical_len == 0:  # the first forward failed: start over with no rows
+            for seq in self.rows:
+                self.kv.truncate(seq, 0, invalidate=True)
+                self.kv.free(seq)
+            self.rows = []
+            self._real = torch.zeros((0, 0), dtype=torch.bool)
         else:
             for seq, n in zip(plan.seq_ids, plan.context_lens, strict=True):
-                self.kv.truncate(seq, n)
+                self.kv.truncate(seq, n, invalidate=True)
             self._real = self._real[:, : self._logical_len]
         self._pending = 0
 
@@ -334,8 +369,12 @@ class HFPagedCache(Cache):
         ids = input_ids.to("cpu")
         return [row[m].tolist() for row, m in zip(ids, new_mask, strict=True)]
 
-    def _ensure_capacity(self, counts: Sequence[int]) -> None:
-        needed = self.kv.blocks_needed(self.rows, counts)
+    def _ensure_capacity(self, counts: Sequence[int], rows: Sequence[int] | None = None) -> None:
+        rows = self.rows if rows is None else rows
+        if rows:
+            needed = self.kv.blocks_needed(rows, counts)
+        else:  # sequences not added yet: a full prompt's worth of blocks each at most
+            needed = sum(-(-n // self.kv.block_size) for n in counts)
         free = self.kv.blocks.num_free_blocks
         if needed > free and self.growable:
             self.kv.grow(max(2 * self.kv.num_blocks, self.kv.num_blocks + needed - free))

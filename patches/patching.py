@@ -39,7 +39,7 @@ class PatchState:
     hooks: list[Any] = field(default_factory=list)
     active_cache: HFPagedCache | None = None
     planner: torch.nn.Module | None = None  # the hooked module whose forward is in flight
-    had_prepare_override: bool = False
+    user_prepare_override: Any = None  # an instance-level _prepare_cache_for_generation we replaced
 
 
 class UnsupportedModelError(TypeError):
@@ -57,11 +57,11 @@ def patch(model: torch.nn.Module, **cache_options: Any) -> torch.nn.Module:
     Returns:
         The same model, patched in place. Patching again only updates ``cache_options``.
     """
+    _check_cache_options(cache_options)
     state: PatchState | None = getattr(model, _STATE_ATTR, None)
     if state is not None:
         state.cache_options.update(cache_options)
         return model
-    _check_cache_options(cache_options)
     family = _family_of(model)
     register()
     state = PatchState(family=family, cache_options=dict(cache_options),
@@ -73,7 +73,7 @@ def patch(model: torch.nn.Module, **cache_options: Any) -> torch.nn.Module:
     for module in _hooked_modules(model):
         state.hooks.append(module.register_forward_pre_hook(_pre_hook(state), with_kwargs=True))
         state.hooks.append(module.register_forward_hook(_post_hook(state), with_kwargs=True, always_call=True))
-    state.had_prepare_override = "_prepare_cache_for_generation" in vars(model)
+    state.user_prepare_override = vars(model).get("_prepare_cache_for_generation")
     model._prepare_cache_for_generation = MethodType(_prepare_paged_cache, model)
     setattr(model, _STATE_ATTR, state)
     return model
@@ -91,7 +91,9 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():
         if "_flashpage_state" in vars(module):
             del module._flashpage_state
-    if not state.had_prepare_override:
+    if state.user_prepare_override is not None:
+        model._prepare_cache_for_generation = state.user_prepare_override
+    else:
         del model._prepare_cache_for_generation
     delattr(model, _STATE_ATTR)
     return model
@@ -100,13 +102,17 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 @contextmanager
 def patched(model: torch.nn.Module, **cache_options: Any) -> Iterator[torch.nn.Module]:
     """``with patched(model): model.generate(...)`` patches for the block, then restores."""
-    was_patched = is_patched(model)
+    state = patch_state(model)
+    saved_options = dict(state.cache_options) if state is not None else None
     patch(model, **cache_options)
     try:
         yield model
     finally:
-        if not was_patched:
+        if saved_options is None:
             unpatch(model)
+        else:
+            state.cache_options.clear()
+            state.cache_options.update(saved_options)
 
 
 def is_patched(model: torch.nn.Module) -> bool:
@@ -201,13 +207,13 @@ def _post_hook(state: PatchState):
 def _prepare_paged_cache(self, generation_config, model_kwargs: dict, generation_mode, batch_size: int,
                          max_cache_length: int):
     """Stand-in for ``GenerationMixin._prepare_cache_for_generation``: an HFPagedCache by default."""
-    original = type(self)._prepare_cache_for_generation
+    state: PatchState = getattr(self, _STATE_ATTR)
+    original = state.user_prepare_override or MethodType(type(self)._prepare_cache_for_generation, self)
     wants_other = (model_kwargs.get("cache") is not None or generation_config.use_cache is False
                    or generation_config.cache_implementation is not None
                    or not self._supports_default_dynamic_cache())
     if wants_other:
-        return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
-    state: PatchState = getattr(self, _STATE_ATTR)
+        return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
     options = dict(state.cache_options)
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     options.setdefault("max_cache_len", max_cache_length)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -85,3 +87,66 @@ def left_padded_batch(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, 
         ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
         mask[i, width - n:] = 1
     return ids, mask
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers added for the HuggingFace patch tests (tests/test_patch_*.py). Additive only: the
+# functions above keep their behaviour.
+
+
+def config_kwargs(model_type: str, **overrides: Any) -> dict[str, Any]:
+    """The config keyword arguments ``tiny_model(model_type, **overrides)`` uses."""
+    return {**_COMMON, **FAMILIES[model_type], **overrides}
+
+
+def tiny_config(model_type: str, **overrides: Any) -> Any:
+    """The config ``tiny_model(model_type, **overrides)`` builds its model from."""
+    return AutoConfig.for_model(model_type, **config_kwargs(model_type, **overrides))
+
+
+def model_from_config(model_type: str, config: Any, seed: int = 0) -> torch.nn.Module:
+    """Like ``tiny_model`` but from a ready config (same seed and config -> same weights)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _scale_up(model)
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = EOS
+    return model.eval()
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` intra-op CPU threads, then restore the previous setting.
+
+    The zoo's models are tiny: one thread is faster than several, and on a shared, oversubscribed
+    machine several OpenMP threads per process spin and make generate() up to 100x slower.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def tiny_tokenizer(vocab_size: int = VOCAB) -> Any:
+    """A character-level fast tokenizer over exactly ``vocab_size`` ids (no downloads).
+
+    ids 0/1/2 are ``<pad>``/``</s>``/``<s>`` (PAD/EOS/BOS); every other id is one character
+    (ASCII letters and digits first, as transformers' stop-string machinery tokenizes
+    "abcdef", then Latin Extended-A letters). Decoding concatenates the characters, so the
+    text of a token sequence ends with a given character exactly when its last token is it.
+    """
+    import string
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = string.ascii_letters + string.digits
+    alphabet += "".join(chr(0x100 + i) for i in range(vocab_size - 3 - len(alphabet)))
+    vocab = {"<pad>": PAD, "</s>": EOS, "<s>": BOS}
+    vocab.update({c: 3 + i for i, c in enumerate(alphabet)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>",
+                                   bos_token="<s>")

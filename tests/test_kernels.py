@@ -119,9 +119,7 @@ def cases(draw, max_batch=8, max_q=33, max_cached=300) -> Case:
         group=draw(st.sampled_from([1, 2, 4, 8])),
         dtype=draw(st.sampled_from(DTYPES)),
         causal=draw(st.booleans()),
-        window=draw(
-            st.sampled_from([(-1, -1), (-1, -1), (8, 0), (0, 0), (40, 3), (-1, 5), (17, -1), (1000, 1000)])
-        ),
+        window=draw(st.sampled_from([(-1, -1), (-1, -1), (8, 0), (0, 0), (40, 3), (-1, 5), (17, -1), (1000, 1000)])),
         softcap=draw(st.sampled_from([0.0, 0.0, 2.0, 30.0])),
         alibi=draw(st.sampled_from(["none", "none", "h", "bh"])),
         rotary=rotary,
@@ -209,7 +207,7 @@ def run_oracles(kw: dict, dtype: torch.dtype):
     return ref, ref_dt
 
 
-@_settings(70)
+@_settings(400)
 @given(case=cases(), tiles=TILINGS)
 def test_kvcache_matches_oracle(case: Case, tiles):
     _count("kvcache")
@@ -255,10 +253,15 @@ def _dense_from_paged(kw: dict, case: Case, g: torch.Generator) -> dict:
     return dense
 
 
-@_settings(35)
-@given(case=cases(max_batch=5, max_q=17, max_cached=200))
-def test_paged_equals_dense_and_varlen(case: Case):
+@_settings(200)
+@given(case=cases(max_batch=5, max_q=17, max_cached=200), tiles=TILINGS)
+def test_paged_equals_dense_and_varlen(case: Case, tiles):
     _count("paged_dense_varlen")
+    with tiling(*tiles):
+        _paged_dense_varlen(case)
+
+
+def _paged_dense_varlen(case: Case) -> None:
     kw = build(case)
     g = torch.Generator().manual_seed(case.seed + 1)
     dense = _dense_from_paged(kw, case, g)
@@ -331,7 +334,7 @@ def varlen_cases(draw):
     )
 
 
-@_settings(40)
+@_settings(250)
 @given(c=varlen_cases(), tiles=TILINGS)
 def test_varlen_matches_oracle(c: dict, tiles):
     _count("varlen")
@@ -365,9 +368,7 @@ def test_varlen_matches_oracle(c: dict, tiles):
         )
     ref_dt = None
     if dt != torch.float32:
-        ref_dt, _ = oracle_varlen(
-            q, k, v, cu_q, cu_k, max_q, max_k, block_table=table, round_dtype=dt, **extra
-        )
+        ref_dt, _ = oracle_varlen(q, k, v, cu_q, cu_k, max_q, max_k, block_table=table, round_dtype=dt, **extra)
     assert lse.shape == (heads, total_q) and out.shape == q.shape
     err = (out.double() - ref).abs().max().item()
     assert err <= out_tolerance(ref, ref_dt, dt), err
@@ -375,7 +376,7 @@ def test_varlen_matches_oracle(c: dict, tiles):
     assert (out[-1] == 0).all() and torch.isinf(lse[:, -1]).all()
 
 
-@_settings(30)
+@_settings(50)
 @given(
     dtype=st.sampled_from(DTYPES),
     page=st.sampled_from([1, 16, 256]),
@@ -471,3 +472,43 @@ def test_long_sequences_cross_many_chunks():
     assert torch.equal(fin, torch.isfinite(lse))
     assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() < 1e-4
     assert math.isinf(lse[2, 0, 0].item())
+
+
+@_settings(150)
+@given(case=cases(max_batch=5, max_q=9, max_cached=120), leftpad=st.booleans(), tiles=TILINGS)
+def test_dense_cache_with_batch_idx_and_leftpad_matches_oracle(case: Case, leftpad: bool, tiles):
+    _count("dense_leftpad")
+    g = torch.Generator().manual_seed(case.seed)
+    heads, dt = case.kv_heads * case.group, case.dtype
+    pads = [int(torch.randint(0, n + 1, (1,), generator=g)) if leftpad else 0 for n in case.lengths]
+    cap = max(max(case.lengths) + case.new, case.seqlen_q if case.new else 1)
+    shape = (case.batch + 1, cap, case.kv_heads, case.head_dim)
+    kw = dict(
+        q=torch.randn(case.batch, case.seqlen_q, heads, case.head_dim, generator=g).to(dt),
+        k_cache=torch.randn(*shape, generator=g).to(dt),
+        v_cache=torch.randn(*shape, generator=g).to(dt),
+        cache_seqlens=torch.tensor(case.lengths, dtype=torch.int32),
+        cache_batch_idx=torch.randperm(case.batch + 1, generator=g)[: case.batch].to(torch.int32),
+        causal=case.causal,
+        window_size=case.window,
+        softcap=case.softcap,
+    )
+    if leftpad:
+        kw["cache_leftpad"] = torch.tensor(pads, dtype=torch.int32)
+    if case.new:
+        kw["k"] = torch.randn(case.batch, case.new, case.kv_heads, case.head_dim, generator=g).to(dt)
+        kw["v"] = torch.randn(case.batch, case.new, case.kv_heads, case.head_dim, generator=g).to(dt)
+        if case.rotary != "none":
+            ang = torch.rand(cap, case.rotary_dim // 2, generator=g) * 7
+            kw.update(rotary_cos=ang.cos().to(dt), rotary_sin=ang.sin().to(dt),
+                      rotary_interleaved=case.rotary == "interleaved")  # fmt: skip
+    (ref, ref_lse, ref_k, ref_v), ref_dt = run_oracles(kw, dt)
+    mine = _clone(kw)
+    with tiling(*tiles):
+        out, lse = flash_attn_with_kvcache(**mine, return_softmax_lse=True)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= out_tolerance(ref, ref_dt[0] if ref_dt else None, dt), err
+    check_lse(lse, ref_lse, dt)
+    assert torch.equal(mine["v_cache"], ref_v)
+    if case.rotary == "none" or not case.new:
+        assert torch.equal(mine["k_cache"], ref_k)

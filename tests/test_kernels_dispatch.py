@@ -49,9 +49,7 @@ def _kvcache_case(
     nb = batch * blocks_per_seq + 1
     k_cache = torch.randn(nb, page, kv_heads, dim, generator=g).to(dtype)
     v_cache = torch.randn(nb, page, kv_heads, dim, generator=g).to(dtype)
-    table = (
-        torch.randperm(nb, generator=g)[: batch * blocks_per_seq].view(batch, blocks_per_seq).to(torch.int32)
-    )
+    table = torch.randperm(nb, generator=g)[: batch * blocks_per_seq].view(batch, blocks_per_seq).to(torch.int32)
     cap = blocks_per_seq * page
     lengths = torch.randint(0, cap - new + 1, (batch,), generator=g).to(torch.int32)
     return dict(
@@ -207,9 +205,7 @@ def test_ineligible_inputs_fall_back_with_reason():
 def test_fa3_without_alibi_support_falls_back():
     fake = make_fake_fa3()
     with dispatch.force_backend("fa3", fake):
-        flash_attn_with_kvcache(
-            **_kvcache_case(torch.float16, page=16, blocks_per_seq=6), alibi_slopes=torch.rand(4)
-        )
+        flash_attn_with_kvcache(**_kvcache_case(torch.float16, page=16, blocks_per_seq=6), alibi_slopes=torch.rand(4))
         why = dispatch.explain("flash_attn_with_kvcache", device="cpu", dtype=torch.float16, alibi=True)
     assert fake.calls == [] and "ALiBi is not supported by flash-attn 3" in why.reason
 
@@ -220,10 +216,7 @@ def test_missing_flash_attn_is_reported(monkeypatch):
     info = backend_info(device="cuda", dtype=torch.float16, block_size=256)
     reason = info["flash_attn_with_kvcache"].reason
     assert info["flash_attn_with_kvcache"].name == "reference"
-    assert (
-        reason.startswith("reference: flash-attn not importable: ")
-        and "flash-attn 3 not importable" in reason
-    )
+    assert reason.startswith("reference: flash-attn not importable: ") and "flash-attn 3 not importable" in reason
 
 
 @pytest.mark.parametrize(
@@ -249,9 +242,7 @@ def test_broken_install_never_escapes(tmp_path, monkeypatch, body, expected):
     info = backend_info(device="cpu", dtype=torch.float16)
     assert info["flash_attn_with_kvcache"].name == "reference"
     assert expected in info["flash_attn_with_kvcache"].reason
-    assert (
-        "flash-attn 3 not importable: No module named 'flash_attn_3'" in info["flash_attn_varlen_func"].reason
-    )
+    assert "flash-attn 3 not importable: No module named 'flash_attn_3'" in info["flash_attn_varlen_func"].reason
     case = _kvcache_case(torch.float16)
     out = flash_attn_with_kvcache(**case)  # still works, on the reference
     assert out.shape == case["q"].shape and not out.isnan().any()
@@ -419,3 +410,35 @@ def test_store_kv_skips_minus_one_and_validates():
         store_kv(k_cache, v_cache, k, v, torch.tensor([12, 0, 1]))
     with pytest.raises(KernelInputError, match="dtype"):
         store_kv(k_cache, v_cache, k.half(), v.half(), torch.tensor([1, 0, 2]))
+
+
+def test_force_reference_and_bad_name():
+    fake = make_fake_fa2()
+    with dispatch.force_backend("fa2", fake):
+        with dispatch.force_backend("reference", None):
+            flash_attn_with_kvcache(**_kvcache_case(torch.float16))
+            info = backend_info(device="cpu", dtype=torch.float16, block_size=256)
+        assert fake.calls == [] and info["flash_attn_with_kvcache"].name == "reference"
+        assert "disabled by force_backend('reference')" in info["flash_attn_with_kvcache"].reason
+        flash_attn_with_kvcache(**_kvcache_case(torch.float16))  # the outer force is back
+    assert len(fake.calls) == 1
+    with pytest.raises(ValueError, match="'fa2', 'fa3' or 'reference'"):
+        with dispatch.force_backend("fa4", fake):
+            pass
+
+
+def test_python_int_cache_seqlens_reaches_flash_attn_as_int32_tensor():
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 4, 32, generator=g).half()
+    k_cache = torch.randn(2, 40, 2, 32, generator=g).half()
+    v_cache = torch.randn(2, 40, 2, 32, generator=g).half()
+    k, v = torch.randn(2, 1, 2, 32, generator=g).half(), torch.randn(2, 1, 2, 32, generator=g).half()
+    fake = make_fake_fa2()
+    a = dict(k_cache=k_cache.clone(), v_cache=v_cache.clone())
+    with dispatch.force_backend("fa2", fake):
+        out_fa = flash_attn_with_kvcache(q, **a, k=k, v=v, cache_seqlens=7, causal=True)
+    b = dict(k_cache=k_cache.clone(), v_cache=v_cache.clone())
+    out_ref = flash_attn_with_kvcache(q, **b, k=k, v=v, cache_seqlens=7, causal=True)
+    assert fake.calls[0][1]["cache_seqlens"] == ((2,), "int32")
+    _close(out_fa, out_ref, torch.float16)
+    assert torch.equal(a["v_cache"], b["v_cache"]) and torch.equal(b["v_cache"][:, 7], v[:, 0])

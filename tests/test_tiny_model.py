@@ -92,9 +92,7 @@ def test_import_is_cheap() -> None:
         "print(json.dumps(sorted(new & {'torch', 'transformers', 'tokenizers'})))\n"
         "print(json.dumps('transformers' in sys.modules))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=_child_env(), capture_output=True, text=True, check=False
-    )
+    proc = subprocess.run([sys.executable, "-c", code], env=_child_env(), capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.split() == ["[]", "false"]
 
@@ -141,17 +139,36 @@ def _word_fraction(text: str, vocab: set[str]) -> tuple[float, list[str]]:
     return 1.0 - len(unknown) / max(1, len(tokens)), unknown
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_generation_is_mostly_real_words(tiny: tuple[Any, Any], words: set[str], prompt: str) -> None:
+@pytest.fixture(scope="module")
+def greedy(tiny: tuple[Any, Any]) -> dict[str, str]:
+    """40 greedy new tokens per prompt, all prompts in one left-padded batch."""
     import torch
 
     model, tok = tiny
+    inputs = tok(list(PROMPTS), return_tensors="pt", padding=True, padding_side="left")
+    with torch.no_grad():
+        # min_new_tokens suppresses an early <|endoftext|> so there are always 40 tokens to judge
+        out = model.generate(**inputs, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    new = out[:, inputs["input_ids"].shape[1] :]
+    assert new.shape == (len(PROMPTS), 40)
+    return {p: tok.decode(row, skip_special_tokens=True) for p, row in zip(PROMPTS, new, strict=True)}
+
+
+def test_batched_greedy_matches_single(tiny: tuple[Any, Any], greedy: dict[str, str]) -> None:
+    import torch
+
+    model, tok = tiny
+    prompt = PROMPTS[0]
     inputs = tok(prompt, return_tensors="pt")
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=40, do_sample=False)
-    new = out[0, inputs["input_ids"].shape[1] :]
-    assert len(new) >= 10  # it does not stop (eos) right away
-    text = tok.decode(new, skip_special_tokens=True)
+        out = model.generate(**inputs, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    single = tok.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert single.split()[:10] == greedy[prompt].split()[:10]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_generation_is_mostly_real_words(greedy: dict[str, str], words: set[str], prompt: str) -> None:
+    text = greedy[prompt]
     fraction, unknown = _word_fraction(text, words)
     assert len(text.split()) >= 5, text
     assert fraction >= MIN_WORD_FRACTION, (text, unknown)

@@ -14,6 +14,7 @@ token (a difference only at a reference tie is accepted, see :func:`flashpage.te
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -38,6 +39,14 @@ FULL = GenerateWorkload(batch=8, min_prompt=32, max_prompt=256, cases=(("short",
                         warmup_tokens=8)
 QUICK = GenerateWorkload(batch=4, min_prompt=32, max_prompt=128, cases=(("short", 64), ("long", 256)),
                          warmup_tokens=4)
+
+
+def _load_average() -> float:
+    """1-minute load average when the run ends (other work on the machine makes timings noisy)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return -1.0
 
 
 def _log(msg: str) -> None:
@@ -177,6 +186,7 @@ def run(model_name: str | None = None, quick: bool = False, seed: int = 0) -> di
         "dtype": bm.dtype,
         "device": str(next(model.parameters()).device),
         "threads": torch.get_num_threads(),
+        "load_average_1m": _load_average(),
         "attn_unpatched": model.config._attn_implementation,
         "batch": work.batch,
         "prompt_lengths": lengths,
@@ -197,7 +207,8 @@ def format_report(result: dict[str, Any]) -> str:
     """Human-readable lines for :func:`run`'s result."""
     lines = [
         f"bench generate: {result['model']} ({result['parameters'] / 1e6:.1f}M params, {result['dtype']}, "
-        f"{result['device']}, {result['threads']} threads{', quick' if result['quick'] else ''})",
+        f"{result['device']}, {result['threads']} threads, load avg {result['load_average_1m']}"
+        f"{', quick' if result['quick'] else ''})",
         f"batch {result['batch']}, left-padded to {result['padded_width']}, prompt lengths {result['prompt_lengths']}, "
         "greedy, EOS ignored; unpatched = transformers DynamicCache + "
         f"{result['attn_unpatched']}, patched = flashpage.patch (HFPagedCache)",

@@ -277,16 +277,18 @@ class LLM:
         chunks = schedule.chunks
         ids: list[int] = []
         pos: list[int] = []
+        slots: list[int] = []
         for c in chunks:
-            ids.extend(c.seq.token_ids[c.start:c.start + c.num_tokens])
+            ids.extend(c.token_ids)
             pos.extend(range(c.start, c.start + c.num_tokens))
+            slots.extend(c.slots)
         ends = list(itertools.accumulate(c.num_tokens for c in chunks))
         keep = [e - 1 for c, e in zip(chunks, ends, strict=True) if c.emits]
-        toks = [c.seq.token_ids[c.start:c.start + c.num_tokens] for c in chunks]
-        self._ensure_patched()
-        plan = self.kv.plan_step([c.seq.seq_id for c in chunks], [c.num_tokens for c in chunks], toks)
-        self._cache.set_plan(plan)
         try:
+            self._ensure_patched()
+            plan = self.kv.plan_allocated([c.seq.seq_id for c in chunks], [c.num_tokens for c in chunks],
+                                          [c.start for c in chunks], slots)
+            self._cache.set_plan(plan)
             with torch.inference_mode():
                 out = self.model(input_ids=torch.tensor([ids], device=self.device),
                                  position_ids=torch.tensor([pos], device=self.device), use_cache=True,
@@ -294,11 +296,10 @@ class LLM:
                                  **{self._cache_kwarg: self._cache})
         except BaseException:
             self._cache.end_forward(ok=False)
-            for c in chunks:  # give back this step's slots: the cache is as before the step
-                self.kv.truncate(c.seq.seq_id, c.start)
+            self.scheduler.rollback(schedule)  # give back this step's slots: the cache is as before
             raise
         for c in chunks:
-            c.seq.num_computed += c.num_tokens
+            c.seq.num_computed = c.start + c.num_tokens
         return out.logits[0]
 
     def _ensure_patched(self) -> None:

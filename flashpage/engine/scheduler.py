@@ -1,11 +1,14 @@
-"""Scheduler: which sequences compute how many tokens in the next step.
+"""Scheduler: which sequences compute how many tokens in the next step, and their KV slots.
 
 Under a token budget (``max_num_batched_tokens``): running decodes first, then running prefills
 (long prompts are chunked across steps), then waiting sequences in arrival order while
-``max_num_seqs`` and the KV pool allow. When the pool cannot hold a running sequence's next
-tokens, the newest running sequence is preempted by recompute: its blocks are freed (full ones
-stay hashed, so resuming mostly hits the prefix cache) and it goes back to the front of the queue
-with its output so far intact.
+``max_num_seqs`` and the KV pool allow. Slots are allocated as each chunk is scheduled, so a
+request admitted after another one in the same step already finds that one's full prompt blocks
+in the prefix cache (their K/V are written earlier in the same forward, layer by layer, before
+attention reads them). When the pool cannot hold a running sequence's next tokens, the newest
+running sequence not yet scheduled is preempted by recompute: its blocks are freed (full ones
+stay hashed, so resuming mostly hits the prefix cache) and it goes back to the front of the
+queue with its output so far intact.
 """
 
 from __future__ import annotations
@@ -19,26 +22,28 @@ from flashpage.engine.sequence import Seq, SeqStatus
 
 @dataclass
 class Chunk:
-    """``num_tokens`` tokens of ``seq`` (from ``seq.num_computed``) computed this step."""
+    """``num_tokens`` tokens of ``seq`` starting at ``start``, computed this step into ``slots``."""
 
     seq: Seq
+    start: int
     num_tokens: int
-
-    @property
-    def start(self) -> int:
-        return self.seq.num_computed
+    slots: list[int]
+    admitted: bool = False  # the sequence entered the running set in this step
 
     @property
     def emits(self) -> bool:
         """This chunk reaches the end of the sequence: its last logits give the next token."""
-        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+        return self.start + self.num_tokens == len(self.seq.token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start:self.start + self.num_tokens]
 
 
 @dataclass
 class Schedule:
     chunks: list[Chunk] = field(default_factory=list)
     preempted: list[Seq] = field(default_factory=list)
-    reserved_blocks: int = 0  # blocks the scheduled chunks will allocate
 
     @property
     def num_tokens(self) -> int:
@@ -46,7 +51,7 @@ class Schedule:
 
 
 class Scheduler:
-    """Admission, chunking and preemption over one :class:`PagedKVCache`."""
+    """Admission, chunking, slot allocation and preemption over one :class:`PagedKVCache`."""
 
     def __init__(self, kv: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.kv = kv
@@ -77,6 +82,24 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def rollback(self, schedule: Schedule) -> None:
+        """Undo a step whose forward failed: its slots are given back and the blocks it should have
+        filled leave the prefix cache. Sequences admitted in the step go back to the front of the
+        queue (their prefix hits may have been blocks of this very step); running ones keep their
+        place, with their cache as before the step."""
+        for chunk in reversed(schedule.chunks):
+            seq = chunk.seq
+            if seq.in_cache:
+                self.kv.truncate(seq.seq_id, chunk.start, invalidate=True)
+        for chunk in reversed(schedule.chunks):
+            seq = chunk.seq
+            if chunk.admitted and seq.status is SeqStatus.RUNNING:
+                self.running.remove(seq)
+                self._release(seq)
+                seq.num_computed = 0
+                seq.status = SeqStatus.WAITING
+                self.waiting.appendleft(seq)
+
     # --------------------------------------------------------------- schedule
     def schedule(self) -> Schedule:
         out = Schedule()
@@ -90,21 +113,24 @@ class Scheduler:
             n = min(seq.remaining, budget)
             if not self._make_room(seq, n, scheduled, out):
                 continue
-            out.chunks.append(Chunk(seq, n))
-            out.reserved_blocks += self.kv.blocks.blocks_needed(seq.seq_id, n)
+            out.chunks.append(self._allocate(seq, n))
             scheduled.add(seq.seq_id)
             budget -= n
         if not out.preempted:
             self._admit(out, budget)
         return out
 
-    def _fits(self, seq: Seq, n: int, out: Schedule) -> bool:
-        needed = self.kv.blocks.blocks_needed(seq.seq_id, n)
-        return needed + out.reserved_blocks <= self.kv.blocks.num_free_blocks
+    def _allocate(self, seq: Seq, n: int, admitted: bool = False) -> Chunk:
+        start = seq.num_computed
+        slots = self.kv.blocks.append(seq.seq_id, n, seq.token_ids[start:start + n])
+        return Chunk(seq, start, n, slots, admitted)
+
+    def _fits(self, seq: Seq, n: int) -> bool:
+        return self.kv.blocks.blocks_needed(seq.seq_id, n) <= self.kv.blocks.num_free_blocks
 
     def _make_room(self, seq: Seq, n: int, scheduled: set[int], out: Schedule) -> bool:
         """Preempt newest running sequences until ``seq``'s chunk fits; False if ``seq`` itself went."""
-        while not self._fits(seq, n, out):
+        while not self._fits(seq, n):
             victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
             if victim is None:
                 raise RuntimeError("scheduler: KV pool too small for the scheduled sequences alone")
@@ -133,15 +159,14 @@ class Scheduler:
                 if seq.num_output == 0:
                     seq.group.metrics.cached_prompt_tokens = cached
             n = min(seq.remaining, budget)
-            if not self._fits(seq, n, out):
+            if not self._fits(seq, n):
                 self._release(seq)  # give back its prefix hits; it stays first in line
                 seq.num_computed = 0
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.chunks.append(Chunk(seq, n))
-            out.reserved_blocks += self.kv.blocks.blocks_needed(seq.seq_id, n)
+            out.chunks.append(self._allocate(seq, n, admitted=True))
             budget -= n
 
     def _release(self, seq: Seq) -> None:

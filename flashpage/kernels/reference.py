@@ -8,7 +8,8 @@ How it stays fast without a Python loop over sequences: sequences are sorted by 
 they read, keys are visited in chunks of a few blocks with an online softmax, and a sequence
 drops out of later chunks once its keys are done, so work is proportional to real tokens.
 GQA reshapes q to (Hk, B, G * Sq, D) instead of repeating K/V; the per-chunk matmuls loop over
-the Hk KV heads (a small constant) on strided views, so gathered pages are never re-laid out.
+the Hk KV heads (a small constant) on strided views, so gathered pages are copied only once.
+Chunks are as large as a scratch budget allows: few, large torch ops.
 Varlen batches are split into a few query-length buckets (1, 2, 3-4, 5-8, ...) so decodes are
 not padded to the longest prefill chunk.
 """
@@ -24,9 +25,9 @@ import torch
 from flashpage.kernels import rotary
 from flashpage.kernels.validate import KvcacheSpec, VarlenSpec
 
-_KV_CHUNK_BYTES = 96 << 20  # gathered K+V (and their fp32 copies) per chunk
+_KV_CHUNK_BYTES = 384 << 20  # gathered K+V (and fp32 copies) per chunk: few, large ops
 _SCORE_CHUNK_BYTES = 64 << 20  # score matrix per chunk
-_MIN_CHUNK, _MAX_CHUNK = 16, 1024
+_MIN_CHUNK, _MAX_CHUNK = 16, 4096
 _ROW_TILE = 512  # score rows (query positions x group) per tile for causal / windowed attention
 
 
@@ -100,15 +101,14 @@ def _row_values(values: torch.Tensor, kv_heads: int, rows_per_head: int) -> torc
     """Per-(sequence, head) values (N, H) -> per score row (Hk, N, R) with row r = i * G + g."""
     n, heads = values.shape
     group = heads // kv_heads
-    per = values.view(n, kv_heads, group).permute(1, 0, 2)  # (Hk, N, G)
-    return per.repeat(1, 1, rows_per_head // group)
+    return values.reshape(n, kv_heads, group).permute(1, 0, 2).repeat(1, 1, rows_per_head // group)
 
 
 _POOL = threading.local()  # per-thread CPU scratch buffers, reused across calls (and layers)
 
 
 def clear_workspace() -> None:
-    """Free this thread's cached CPU scratch buffers (at most a few hundred MB)."""
+    """Free this thread's cached CPU scratch buffers (a few hundred MB at most)."""
     _POOL.buffers = {}
 
 
@@ -127,62 +127,50 @@ def _buffer(slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> 
 
 
 class _Workspace:
-    """Scratch buffers for the chunks of one call."""
+    """Scratch buffers for the chunks of one call: `pairs` (sequence, key) pairs at most."""
 
-    def __init__(self, keys: KeyLayout, n: int, width: int, rows: int, acc: torch.dtype) -> None:
+    def __init__(self, keys: KeyLayout, pairs: int, n: int, rows: int, acc: torch.dtype) -> None:
         hk, d = keys.k.shape[-2], keys.k.shape[-1]
         dev, dt = keys.k.device, keys.k.dtype
-        size = n * width * hk * d
+        self.raw = [_buffer(name, pairs * hk * d, dt, dev) for name in ("k", "v")]
         self.convert = dt != acc
-        self.kv = [_buffer(name, size, dt, dev) for name in ("k", "v")]
-        self.kv_acc = (
-            [_buffer(name, size, acc, dev) for name in ("k_acc", "v_acc")] if self.convert else self.kv
-        )
-        self.scores = _buffer("scores", hk * n * rows * width, acc, dev)
-        self.partial = _buffer("partial", hk * n * rows * d, acc, dev)
+        self.acc = [_buffer(name, pairs * hk * d, acc, dev) for name in ("k_acc", "v_acc")] if self.convert else []
+        self.scores = _buffer("scores", pairs * hk * rows, acc, dev)
+        self.partial = _buffer("partial", n * hk * rows * d, acc, dev)
 
 
-def _gather(
-    keys: KeyLayout, ws: _Workspace, which: int, n: int, pos0: torch.Tensor, width: int, key_len: torch.Tensor
-) -> torch.Tensor:
-    """Keys (which=0) or values (1) at logical rows pos0[b] + [0, width) for the first n sequences,
-    as (n, width, Hk, D) in the accumulation dtype. Rows past a sequence's end hold junk."""
+def _gather(keys: KeyLayout, ws: _Workspace, which: int, n: int, pos0: torch.Tensor, width: int,
+            key_len: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Keys (which=0) or values (1) at logical rows pos0[b] + [0, width) of the first n sequences,
+    as (n, width, Hk, D) in the accumulation dtype (whole pages copied into a scratch buffer).
+    Rows past a sequence's end hold junk."""
     src = keys.k if which == 0 else keys.v
     hk, d = src.shape[-2], src.shape[-1]
+    raw = ws.raw[which][: n * width * hk * d]
     if keys.block_table is not None:
         page = keys.page
         nb = width // page
-        max_blocks = keys.block_table.shape[1]
         cols = (pos0[:n] // page)[:, None] + torch.arange(nb, device=pos0.device)[None, :]
-        needed = cols * page < key_len[:n, None]
-        ids = keys.block_table[:n].gather(1, cols.clamp(max=max_blocks - 1))
-        ids = torch.where(needed, ids, torch.zeros_like(ids)).flatten()
-        buf = ws.kv[which][: n * width * hk * d].view(n * nb, page, hk, d)
-        torch.index_select(src, 0, ids, out=buf)
+        ids = keys.block_table[:n].gather(1, cols.clamp(max=keys.block_table.shape[1] - 1))
+        ids = torch.where(cols * page < key_len[:n, None], ids, torch.zeros_like(ids))
+        torch.index_select(src, 0, ids.flatten(), out=raw.view(n * nb, page, hk, d))
     else:
         rows = keys.start[:n, None] + pos0[:n, None] + torch.arange(width, device=pos0.device)[None, :]
-        rows = rows.clamp(0, src.shape[1] - 1)
-        buf = ws.kv[which][: n * width * hk * d].view(n, width, hk, d)
-        buf.copy_(src[keys.rows[:n, None], rows])
-    if ws.convert:
-        out = ws.kv_acc[which][: n * width * hk * d].view(buf.shape)
-        out.copy_(buf)
-        buf = out
-    return buf.view(n, width, hk, d)
+        raw.view(n, width, hk, d).copy_(src[keys.rows[:n, None], rows.clamp(0, src.shape[1] - 1)])
+    if not ws.convert:
+        return raw.view(n, width, hk, d)
+    converted = ws.acc[which][: n * width * hk * d].view(n, width, hk, d)
+    converted.copy_(raw.view(n, width, hk, d))
+    return converted
 
 
-def _chunk_width(keys: KeyLayout, n: int, rows: int, acc: torch.dtype) -> int:
-    """Keys per chunk: bounded by the buffer budgets, a multiple of the page size when paged."""
+def _chunk_budget(keys: KeyLayout, rows: int, acc: torch.dtype) -> int:
+    """How many (sequence, key) pairs one chunk may hold, from the scratch-memory budgets."""
     hk, d = keys.k.shape[-2], keys.k.shape[-1]
-    per_key = (
-        2 * n * hk * d * (keys.k.element_size() + (torch.finfo(acc).bits // 8 if keys.k.dtype != acc else 0))
-    )
-    per_score = hk * n * rows * (torch.finfo(acc).bits // 8) * 2
-    width = min(_KV_CHUNK_BYTES // max(per_key, 1), _SCORE_CHUNK_BYTES // max(per_score, 1))
-    width = max(_MIN_CHUNK, min(_MAX_CHUNK, width))
-    if keys.block_table is not None:
-        width = max(1, width // keys.page) * keys.page
-    return width
+    acc_bytes = torch.finfo(acc).bits // 8
+    per_key = 2 * hk * d * (keys.k.element_size() + (acc_bytes if keys.k.dtype != acc else 0))
+    per_score = hk * rows * acc_bytes * 2
+    return max(1, min(_KV_CHUNK_BYTES // per_key, _SCORE_CHUNK_BYTES // per_score))
 
 
 def attend(
@@ -198,13 +186,14 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention for N sequences over their cached keys.
 
-    qh: (Hk, N, R, D) in the accumulation dtype, R = group * Sq_max, row r is query r // group of
-    head hk * group + r % group. seq_q, seq_k: (N,) int64 true query / key lengths. slopes: (N, H)
-    ALiBi or None. sinks: (H,) s_aux or None. Returns out (Hk, N, R, D) and lse (Hk, N, R) in the
+    qh: (Hk, N, R, D) in the accumulation dtype, already multiplied by the softmax scale; R =
+    group * Sq_max, row r is query r // group of head hk * group + r % group. seq_q, seq_k: (N,)
+    int64 true query / key lengths. slopes: (N, H) ALiBi or None. sinks: (H,) s_aux or None.
+    Returns out (Hk, N, R, D) and lse (Hk, N, R) in the
     accumulation dtype. Long queries are cut into row tiles so that causal / windowed rows only
     visit the keys they can see.
     """
-    hk, n_seq, rows, d = qh.shape
+    rows = qh.shape[2]
     tile = rows if not (mask.causal or mask.local) else max(group, _ROW_TILE // group * group)
     if tile >= rows:
         return _attend_rows(qh, 0, keys, seq_q, seq_k, mask, group, slopes, sinks, in_dtype)
@@ -212,9 +201,7 @@ def attend(
     lse = torch.empty(qh.shape[:-1], dtype=qh.dtype, device=qh.device)
     for r0 in range(0, rows, tile):
         part = qh[:, :, r0 : r0 + tile]
-        o, lse_part = _attend_rows(
-            part, r0 // group, keys, seq_q, seq_k, mask, group, slopes, sinks, in_dtype
-        )
+        o, lse_part = _attend_rows(part, r0 // group, keys, seq_q, seq_k, mask, group, slopes, sinks, in_dtype)
         out[:, :, r0 : r0 + tile] = o
         lse[:, :, r0 : r0 + tile] = lse_part
     return out, lse
@@ -258,16 +245,21 @@ def _attend_rows(qh, first_q, keys, seq_q, seq_k, mask, group, slopes, sinks, in
     out = torch.zeros((hk, n_seq, rows, d), dtype=acc, device=dev)
     spans = span.tolist()
     if n_seq and spans[0] > 0:
-        width = _chunk_width(keys, n_seq, rows, acc)
-        ws = _Workspace(keys, sum(1 for s in spans if s > 0), width, rows, acc)
+        page = keys.page if paged else 1
+        n_first = sum(1 for s in spans if s > 0)
+        budget = _chunk_budget(keys, rows, acc)  # (sequence, key) pairs per chunk
+        ws = _Workspace(keys, max(budget, n_first * max(_MIN_CHUNK, page)), n_first, rows, acc)
         neg = [-s for s in spans]
-        row_q = (first_q + torch.arange(rows, device=dev) // group)[None, None, :, None]
-        offs = torch.arange(width, device=dev)
+        row_q = (first_q + torch.arange(rows, device=dev) // group).view(1, 1, rows, 1)  # query index i
+        offs = torch.arange(max(_MAX_CHUNK, page), device=dev)
         state = (m, l_sum, out)
-        for c in range(-(-spans[0] // width)):
-            n = bisect.bisect_left(neg, -c * width)  # sequences with keys left
-            _chunk(qh, keys, ws, n, base + c * width, width, seq_q, seq_k, mask, row_q, offs, row_vals, state,
-                   in_dtype)  # fmt: skip
+        done, n = 0, n_first
+        while n:  # chunks widen as short sequences drop out: the buffers stay the same size
+            width = max(page, min(_MAX_CHUNK, max(_MIN_CHUNK, budget // n)) // page * page)
+            _chunk(qh, keys, ws, n, base + done, width, seq_q, seq_k, mask, row_q, offs[:width], row_vals,
+                   state, in_dtype)  # fmt: skip
+            done += width
+            n = bisect.bisect_left(neg, -done)  # sequences with keys left
     lse = torch.where(l_sum > 0, m + torch.log(l_sum), torch.full_like(m, float("inf")))
     res = torch.where(l_sum[..., None] > 0, out / l_sum[..., None], torch.zeros_like(out))
     unsorted_out, unsorted_lse = torch.empty_like(res), torch.empty_like(lse)
@@ -278,18 +270,19 @@ def _attend_rows(qh, first_q, keys, seq_q, seq_k, mask, group, slopes, sinks, in
 
 def _chunk(qh, keys, ws, n, pos0, width, seq_q, seq_k, mask, row_q, offs, row_vals, state, in_dtype) -> None:
     """One key chunk of the online softmax for the first n (sorted) sequences; updates state =
-    (running max, running sum, unnormalised output) in place."""
+    (running max, running sum, unnormalised output), all (Hk, N, R[, D]), in place.
+
+    The matmuls loop over the Hk KV heads on strided views of the gathered pages (one copy of
+    the keys, no re-layout); everything else is one torch op over the whole chunk."""
     hk, _, rows, d = qh.shape
     m, l_sum, out = state
-    kc = _gather(keys, ws, 0, n, pos0, width, seq_k)
+    kc = _gather(keys, ws, 0, n, pos0, width, seq_k)  # (n, W, Hk, D)
     s = ws.scores[: hk * n * rows * width].view(hk, n, rows, width)
     for h in range(hk):
-        torch.bmm(qh[h, :n], kc[:, :, h, :].transpose(1, 2), out=s[h])
-    if mask.softcap > 0:
-        s.mul_(mask.scale / mask.softcap).tanh_().mul_(mask.softcap)
-    else:
-        s.mul_(mask.scale)
-    pos = (pos0[:n, None] + offs[None, :])[None, :, None, :]  # (1, n, 1, W) logical key index j
+        torch.bmm(qh[h, :n], kc[:, :, h].transpose(1, 2), out=s[h])
+    if mask.softcap > 0:  # q carries scale / softcap here
+        s.tanh_().mul_(mask.softcap)
+    pos = (pos0[:n, None] + offs[None, :]).view(1, n, 1, width)  # logical key index j
     sk = seq_k[:n].view(1, n, 1, 1)
     diag = row_q + sk - seq_q[:n].view(1, n, 1, 1)  # (1, n, R, 1): i + Sk - Sq
     if row_vals is not None:
@@ -298,12 +291,12 @@ def _chunk(qh, keys, ws, n, pos0, width, seq_q, seq_k, mask, row_q, offs, row_va
             s.add_(slope * pos)
         else:
             s.sub_(slope * (diag - pos).abs())
-    visible = pos < sk
+    hidden = pos >= sk
     if mask.causal:
-        visible = visible & (pos <= diag)
+        hidden = hidden | (pos > diag)
     elif mask.local:
-        visible = visible & (pos <= diag + mask.right) & (pos >= diag - mask.left)
-    s.masked_fill_(~visible, float("-inf"))
+        hidden = hidden | (pos > diag + mask.right) | (pos < diag - mask.left)
+    s.masked_fill_(hidden, float("-inf"))
     m_old = m[:, :n]
     m_new = torch.maximum(m_old, s.amax(-1))
     m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
@@ -315,7 +308,7 @@ def _chunk(qh, keys, ws, n, pos0, width, seq_q, seq_k, mask, row_q, offs, row_va
     vc = _gather(keys, ws, 1, n, pos0, width, seq_k)
     o = ws.partial[: hk * n * rows * d].view(hk, n, rows, d)
     for h in range(hk):
-        torch.bmm(s[h], vc[:, :, h, :], out=o[h])
+        torch.bmm(s[h], vc[:, :, h], out=o[h])
     out[:, :n].mul_(alpha[..., None]).add_(o)
     m[:, :n] = m_new
 
@@ -366,9 +359,7 @@ def flash_attn_with_kvcache(
     batch, seqlen_q, heads, d = q.shape
     hk, group = spec.kv_heads, heads // spec.kv_heads
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
-    mask = normalize_mask(
-        causal, window_size, seqlen_q, spec.capacity, alibi_slopes is not None, scale, float(softcap)
-    )
+    mask = normalize_mask(causal, window_size, seqlen_q, spec.capacity, alibi_slopes is not None, scale, float(softcap))
     lengths = (
         cache_seqlens.to(device=dev, dtype=torch.int64)
         if cache_seqlens is not None
@@ -376,9 +367,7 @@ def flash_attn_with_kvcache(
     )
     if k is not None:
         if rotary_cos is not None:
-            k = rotary.rotate(
-                k, rotary_cos, rotary_sin, rotary.key_positions(lengths, k.shape[1]), rotary_interleaved
-            )
+            k = rotary.rotate(k, rotary_cos, rotary_sin, rotary.key_positions(lengths, k.shape[1]), rotary_interleaved)
         _append(k_cache, v_cache, k, v, lengths, block_table, spec.page_size, cache_batch_idx)
         if rotary_cos is not None:
             per_row = mask.causal or mask.local
@@ -395,24 +384,27 @@ def flash_attn_with_kvcache(
     else:
         start = cache_leftpad.to(torch.int64) if cache_leftpad is not None else torch.zeros_like(lengths)
         seq_k = seq_k - start
-        rows = (
-            cache_batch_idx.to(torch.int64)
-            if cache_batch_idx is not None
-            else torch.arange(batch, device=dev)
-        )
+        rows = cache_batch_idx.to(torch.int64) if cache_batch_idx is not None else torch.arange(batch, device=dev)
         keys = KeyLayout(k_cache, v_cache, None, 0, rows, start)
     qh = q.view(batch, seqlen_q, hk, group, d).permute(2, 0, 1, 3, 4).reshape(hk, batch, seqlen_q * group, d)
     slopes = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.expand(batch, heads) if alibi_slopes.dim() == 1 else alibi_slopes
     seq_q = torch.full((batch,), seqlen_q, dtype=torch.int64, device=dev)
-    out, lse = attend(qh.to(acc), keys, seq_q, seq_k, mask, group, slopes, s_aux, q.dtype)
+    out, lse = attend(_scaled(qh, mask, acc), keys, seq_q, seq_k, mask, group, slopes, s_aux, q.dtype)
     out = out.view(hk, batch, seqlen_q, group, d).permute(1, 2, 0, 3, 4).reshape(batch, seqlen_q, heads, d)
     out = out.to(q.dtype)
     if not return_softmax_lse:
         return out
     lse = lse.view(hk, batch, seqlen_q, group).permute(1, 0, 3, 2).reshape(batch, heads, seqlen_q)
     return out, lse
+
+
+def _scaled(qh: torch.Tensor, mask: MaskSpec, acc: torch.dtype) -> torch.Tensor:
+    """q in the accumulation dtype times the softmax scale (divided by softcap when capping), so
+    the scores come out of the matmul ready for tanh / softmax."""
+    factor = mask.scale / mask.softcap if mask.softcap > 0 else mask.scale
+    return qh.to(acc) * factor
 
 
 def _query_buckets(seq_q: list[int]) -> list[list[int]]:
@@ -481,7 +473,7 @@ def flash_attn_varlen_func(
         qg = q[qrows].view(n, rq, hk, group, d).permute(2, 0, 1, 3, 4).reshape(hk, n, rq * group, d)
         slopes = slopes_all[idx] if slopes_all is not None else None
         o, lse = attend(
-            qg.to(acc), keys.select(idx), sq_all[idx], sk_all[idx], mask, group, slopes, s_aux, q.dtype
+            _scaled(qg, mask, acc), keys.select(idx), sq_all[idx], sk_all[idx], mask, group, slopes, s_aux, q.dtype
         )
         o = o.view(hk, n, rq, group, d).permute(1, 2, 0, 3, 4).reshape(n, rq, heads, d)
         lse = lse.view(hk, n, rq, group).permute(1, 2, 0, 3).reshape(n, rq, heads)

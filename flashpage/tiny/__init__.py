@@ -51,9 +51,7 @@ def load_tiny_model(
         dtype = resolved
     path = tiny_model_path()
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"tiny model not found in {path}; rebuild it with `python -m flashpage.tiny.train`"
-        )
+        raise FileNotFoundError(f"tiny model not found in {path}; rebuild it with `python -m flashpage.tiny.train`")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     if device is not None:
         model = model.to(device)

@@ -373,9 +373,7 @@ gradient clipping {cfg["grad_clip"]}.
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point of ``python -m flashpage.tiny.train``."""
     defaults = TrainConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m flashpage.tiny.train", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m flashpage.tiny.train", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=tiny_model_path(), help="output folder")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="random seed")

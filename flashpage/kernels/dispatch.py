@@ -458,5 +458,7 @@ def flash_attn_varlen_func(
 def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatter k, v (T, Hk, D) into k_cache, v_cache (NB, P, Hk, D) at slot_mapping (T,) (-1 = skip)."""
-    _store_kv(k_cache, v_cache, k, v, slot_mapping)
+    """Scatter k (T, Hk, D) and v (T, Hk, Dv) into k_cache (NB, P, Hk, D) and v_cache (NB, P, Hk, Dv)
+    at slot_mapping (T,) (-1 = skip). Never recorded by autograd: the pages are long-lived buffers."""
+    with torch.no_grad():
+        _store_kv(k_cache, v_cache, k, v, slot_mapping)

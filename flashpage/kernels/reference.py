@@ -17,8 +17,12 @@ not padded to the longest prefill chunk.
 from __future__ import annotations
 
 import bisect
+import functools
 import threading
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -104,6 +108,34 @@ def _row_values(values: torch.Tensor, kv_heads: int, rows_per_head: int) -> torc
     return values.reshape(n, kv_heads, group).permute(1, 0, 2).repeat(1, 1, rows_per_head // group)
 
 
+_F = TypeVar("_F", bound=Callable)
+_warned_grad = False
+
+
+def forward_only(fn: _F) -> _F:
+    """Run ``fn`` without autograd, as flash-attn's inference entry points do: the reference
+    writes into reused scratch buffers. Warns once when a caller had gradients enabled on
+    inputs that require them (a patched model called outside ``torch.no_grad()``)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        global _warned_grad
+        if torch.is_grad_enabled():
+            if not _warned_grad and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                _warned_grad = True
+                warnings.warn(
+                    "flashpage's attention is forward-only: no gradient flows through it. Run "
+                    "inference under torch.no_grad() / torch.inference_mode(), and unpatch the "
+                    "model (flashpage.unpatch) to train it.",
+                    stacklevel=3,
+                )
+            with torch.no_grad():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 _POOL = threading.local()  # per-thread CPU scratch buffers, reused across calls (and layers)
 
 
@@ -120,9 +152,10 @@ def _buffer(slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> 
     pool = getattr(_POOL, "buffers", None)
     if pool is None:
         pool = _POOL.buffers = {}
-    buf = pool.get((slot, dtype))
+    key = (slot, dtype, torch.is_inference_mode_enabled())  # inference tensors stay in inference mode
+    buf = pool.get(key)
     if buf is None or buf.numel() < numel:
-        buf = pool[(slot, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+        buf = pool[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
 
 
@@ -256,6 +289,7 @@ def _attend_rows(qh, first_q, keys, seq_q, seq_k, mask, group, slopes, sinks, in
         done, n = 0, n_first
         while n:  # chunks widen as short sequences drop out: the buffers stay the same size
             width = max(page, min(_MAX_CHUNK, max(_MIN_CHUNK, budget // n)) // page * page)
+            width = min(width, -(-(spans[0] - done) // page) * page)  # never past the longest span
             _chunk(qh, keys, ws, n, base + done, width, seq_q, seq_k, mask, row_q, offs[:width], row_vals,
                    state, in_dtype)  # fmt: skip
             done += width
@@ -331,6 +365,7 @@ def _append(k_cache, v_cache, k, v, lengths, block_table, page, cache_batch_idx)
     v_cache[idx] = v
 
 
+@forward_only
 def flash_attn_with_kvcache(
     q,
     k_cache,
@@ -386,7 +421,7 @@ def flash_attn_with_kvcache(
         seq_k = seq_k - start
         rows = cache_batch_idx.to(torch.int64) if cache_batch_idx is not None else torch.arange(batch, device=dev)
         keys = KeyLayout(k_cache, v_cache, None, 0, rows, start)
-    qh = q.view(batch, seqlen_q, hk, group, d).permute(2, 0, 1, 3, 4).reshape(hk, batch, seqlen_q * group, d)
+    qh = q.reshape(batch, seqlen_q, hk, group, d).permute(2, 0, 1, 3, 4).reshape(hk, batch, seqlen_q * group, d)
     slopes = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.expand(batch, heads) if alibi_slopes.dim() == 1 else alibi_slopes
@@ -416,6 +451,7 @@ def _query_buckets(seq_q: list[int]) -> list[list[int]]:
     return [buckets[key] for key in sorted(buckets)]
 
 
+@forward_only
 def flash_attn_varlen_func(
     q,
     k,

@@ -15,13 +15,14 @@ def _check(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     fn = "store_kv"
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
         raise KernelInputError(
-            f"{fn}: k_cache and v_cache must both be (NB, P, Hk, D), got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+            f"{fn}: k_cache and v_cache must be (NB, P, Hk, D) and (NB, P, Hk, Dv) with the same NB, P "
+            f"and Hk, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    expected = (slot_mapping.shape[0] if slot_mapping.dim() == 1 else -1, *k_cache.shape[2:])
-    for name, t in (("k", k), ("v", v)):
+    rows = slot_mapping.shape[0] if slot_mapping.dim() == 1 else -1
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        expected = (rows, *cache.shape[2:])
         if tuple(t.shape) != expected:
             raise KernelInputError(
                 f"{fn}: {name} must have shape (T, Hk, D) = {expected} (T = "
@@ -50,7 +51,8 @@ def _check(
 def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write k[t], v[t] (T, Hk, D) to k_cache/v_cache (NB, P, Hk, D) at slot_mapping[t], in place.
+    """Write k[t] (T, Hk, D) and v[t] (T, Hk, Dv) to k_cache (NB, P, Hk, D) and v_cache
+    (NB, P, Hk, Dv) at slot_mapping[t], in place (Dv may differ from D, as in DeepSeek MLA).
 
     Slots equal to -1 are skipped. The caches may be views (only the last dim contiguous).
     Sync-free: a skipped token is redirected to the first stored token's slot with that

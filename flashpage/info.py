@@ -64,5 +64,5 @@ def format_info(info: dict[str, Any]) -> str:
              "kernels:"]
     for k in info["kernels"]:
         lines.append(f"  {k['entry_point']:<24} {k['device']:<5} {k['dtype']:<9} block {k['block_size']:<4} "
-                     f"-> {k['backend']}: {k['reason']}")
+                     f"-> {k['reason']}")  # reason starts with the backend
     return "\n".join(lines)

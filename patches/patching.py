@@ -218,14 +218,25 @@ def _prepare_paged_cache(self, generation_config, model_kwargs: dict, generation
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     options.setdefault("max_cache_len", max_cache_length)
     if "num_blocks" not in options:
-        options["num_blocks"] = _blocks_for(batch_size * expand, max_cache_length, options.get("block_size"),
-                                            self.device)
+        options["num_blocks"] = _blocks_for(batch_size, expand, max_cache_length, options.get("block_size"),
+                                            self.device, model_kwargs.get("attention_mask"))
     model_kwargs["cache"] = HFPagedCache(self.config, **options)
     return None
 
 
-def _blocks_for(rows: int, max_len: int, block_size: int | None, device: torch.device) -> int:
+def _blocks_for(rows: int, expand: int, max_len: int, block_size: int | None, device: torch.device,
+                attention_mask: torch.Tensor | None) -> int:
+    """Blocks for a generate() call: each row's real tokens (prompt without its padding, plus the
+    new tokens) rounded up to whole blocks, times the beams/samples per row, plus one block per
+    expanded row for copy-on-write of shared partial blocks. The cache grows if a call needs more."""
     from flashpage.cache import default_block_size
 
     bs = block_size or default_block_size(device)
-    return rows * (-(-max_len // bs) + 1) + 1
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.shape[0] == rows:
+        padding = attention_mask.shape[1] - attention_mask.sum(dim=1)
+        lengths = (max_len - padding).clamp(min=1)
+        blocks = int(((lengths + bs - 1) // bs).sum())
+    else:
+        blocks = rows * -(-max_len // bs)
+    cow = rows * expand if expand > 1 else 0
+    return max(1, blocks * expand + cow)

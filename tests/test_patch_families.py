@@ -11,14 +11,17 @@ then unpatched again. Checks:
   families run on flashpage's "pagedkv" attention, adapter families keep their own;
 - unpatch restores the attention implementation the model had before, exactly.
 
-``flashpage.patches.support_matrix`` (the README's support table) is exercised on three families.
+``flashpage.patches.support_matrix`` is exercised on three families, and README's support table must
+equal what this module measured on the whole zoo (``FLASHPAGE_UPDATE_README=1`` rewrites it).
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,18 +51,6 @@ EXPECTED_PATH = {"falcon": "dense-view", "bloom": "dense-view", "deepseek_v2": "
                  "deepseek_v3": "dense-view"}
 # Families whose attention does not go through transformers' AttentionInterface: patch must leave it.
 KEEPS_OWN_ATTENTION = {"falcon", "bloom"}
-
-DEEPSEEK_XFAIL = pytest.mark.xfail(
-    strict=False,
-    reason="store_kv does not accept a value head dim different from the key's (MLA latents: kv_lora_rank "
-           "vs qk_rope_head_dim); the lead is fixing the kernel",
-)
-
-
-def _family_params(xfail_deepseek: bool) -> list:
-    return [pytest.param(name, marks=DEEPSEEK_XFAIL) if xfail_deepseek and name == "deepseek_v3" else name
-            for name in FAMILIES]
-
 
 @dataclass
 class FamilyRun:
@@ -140,7 +131,7 @@ def _patched_outputs(run: FamilyRun) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return run.got_tokens, run.got_logits
 
 
-@pytest.mark.parametrize("name", _family_params(xfail_deepseek=True))
+@pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_matches_unpatched(family_run: Callable[[str], FamilyRun], name: str) -> None:
     run = family_run(name)
     got, _ = _patched_outputs(run)
@@ -149,7 +140,7 @@ def test_greedy_matches_unpatched(family_run: Callable[[str], FamilyRun], name: 
         assert match.ok, f"{name} row {row} (prompt length {PROMPT_LENGTHS[row]}): {match.explain()}"
 
 
-@pytest.mark.parametrize("name", _family_params(xfail_deepseek=True))
+@pytest.mark.parametrize("name", FAMILIES)
 def test_logits_close_until_first_difference(family_run: Callable[[str], FamilyRun], name: str) -> None:
     run = family_run(name)
     _, got_logits = _patched_outputs(run)
@@ -162,7 +153,7 @@ def test_logits_close_until_first_difference(family_run: Callable[[str], FamilyR
             assert diff <= LOGIT_ATOL, f"{name} row {row} step {step}: max |logit diff| {diff:.3g}"
 
 
-@pytest.mark.parametrize("name", _family_params(xfail_deepseek=False))
+@pytest.mark.parametrize("name", FAMILIES)
 def test_routing_path(family_run: Callable[[str], FamilyRun], name: str) -> None:
     run = family_run(name)
     assert run.path == EXPECTED_PATH.get(name, "interface")
@@ -173,7 +164,7 @@ def test_routing_path(family_run: Callable[[str], FamilyRun], name: str) -> None
         assert run.attn_patched == ATTN_NAME == "pagedkv"
 
 
-@pytest.mark.parametrize("name", _family_params(xfail_deepseek=False))
+@pytest.mark.parametrize("name", FAMILIES)
 def test_unpatch_restores_attention(family_run: Callable[[str], FamilyRun], name: str) -> None:
     run = family_run(name)
     assert run.attn_before is not None
@@ -239,3 +230,46 @@ def test_support_matrix_default_builder_and_failures() -> None:
     assert bad["exact"] is False and bad["error"].startswith("RuntimeError: cannot build")
     line = format_markdown([good, bad]).strip().splitlines()[-1]
     assert "\\|" in line and line.count(" | ") == 5, line  # the error's "|" is escaped inside its cell
+
+
+# ------------------------------------------------------------------------------ README's table
+README = Path(__file__).resolve().parents[1] / "README.md"
+MATRIX_START, MATRIX_END = "<!-- support-matrix:start -->", "<!-- support-matrix:end -->"
+
+
+def _matrix_row(run: FamilyRun) -> dict:
+    """A support_matrix row from this module's run of one family."""
+    row = {"family": run.name, "path": run.path, "attention": run.attn_patched, "exact": False,
+           "max_logit_diff": None, "error": None}
+    if run.error is not None:
+        row["error"] = f"{type(run.error).__name__}: {run.error}"
+        return row
+    assert run.got_logits is not None
+    matches = run.matches()
+    row["exact"] = all(m.identical for m in matches)
+    steps = min(len(run.ref_logits), len(run.got_logits))
+    row["max_logit_diff"] = max(float((run.ref_logits[s] - run.got_logits[s]).abs().max()) for s in range(steps))
+    if not row["exact"]:
+        row["error"] = "differs only at a reference tie (top-2 within 1e-5)" if all(m.ok for m in matches) else ""
+    return row
+
+
+def _readme_cells(table: str) -> list[list[str]]:
+    """Family, path, attention, exact of each data line of a Markdown support table."""
+    lines = [line for line in table.strip().splitlines() if line.startswith("|")][2:]
+    return [[c.strip() for c in line.strip("|").split("|")][:4] for line in lines]
+
+
+def test_readme_support_matrix_is_current(family_run: Callable[[str], FamilyRun]) -> None:
+    """README's table is generated from these runs; regenerate with FLASHPAGE_UPDATE_README=1."""
+    table = format_markdown(_matrix_row(family_run(name)) for name in FAMILIES)
+    text = README.read_text()
+    assert MATRIX_START in text and MATRIX_END in text, f"README.md lacks the {MATRIX_START} markers"
+    head, rest = text.split(MATRIX_START, 1)
+    current, tail = rest.split(MATRIX_END, 1)
+    if os.environ.get("FLASHPAGE_UPDATE_README") == "1":
+        README.write_text(f"{head}{MATRIX_START}\n{table}{MATRIX_END}{tail}")
+        current = table
+    assert _readme_cells(current) == _readme_cells(table), (
+        "README's support matrix is out of date: run FLASHPAGE_UPDATE_README=1 pytest "
+        "tests/test_patch_families.py -k readme")

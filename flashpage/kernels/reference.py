@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import torch
 
-from flashpage.kernels import rotary
+from flashpage.kernels import rotary, sdpa_path
 from flashpage.kernels.validate import KvcacheSpec, VarlenSpec
 
 _KV_CHUNK_BYTES = 384 << 20  # gathered K+V (and fp32 copies) per chunk: few, large ops
@@ -500,12 +500,24 @@ def flash_attn_varlen_func(
         slopes_all = alibi_slopes.expand(spec.batch, heads) if alibi_slopes.dim() == 1 else alibi_slopes
     sq_all = torch.tensor(seq_q, dtype=torch.int64, device=dev)
     sk_all = torch.tensor(seq_k, dtype=torch.int64, device=dev)
+    plain = softcap == 0 and alibi_slopes is None and s_aux is None and not return_attn_probs
+    table = keys.block_table
+    cu_k = None if block_table is not None else cu_seqlens_k.to(torch.int64)
     for members in _query_buckets(seq_q):
         idx = torch.tensor(members, dtype=torch.int64, device=dev)
         n, rq = len(members), max(seq_q[b] for b in members)
         qrows = cu_q[idx][:, None] + torch.arange(rq, device=dev)[None, :]
         valid = torch.arange(rq, device=dev)[None, :] < sq_all[idx][:, None]
         qrows = qrows.clamp(max=total_q - 1)
+        sk = [seq_k[b] for b in members]
+        if plain and sdpa_path.fits(n, rq, max(sk), heads, hk, d, k.element_size()):
+            o = sdpa_path.attend_bucket(q, k, v, table, spec.page_size, cu_k, idx, qrows,
+                                        [seq_q[b] for b in members], sk, mask)
+            if n == spec.batch and rq * n == total_q:  # one full bucket: rows already in order
+                out = o.reshape(total_q, heads, d).to(q.dtype)
+            else:
+                out[qrows[valid]] = o[valid]
+            continue
         qg = q[qrows].view(n, rq, hk, group, d).permute(2, 0, 1, 3, 4).reshape(hk, n, rq * group, d)
         slopes = slopes_all[idx] if slopes_all is not None else None
         o, lse = attend(

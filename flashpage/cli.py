@@ -8,6 +8,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from flashpage.errors import FlashpageError
+
 
 def _info(args: argparse.Namespace) -> int:
     from flashpage.info import collect_info, format_info
@@ -90,6 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except (ValueError, OSError, FlashpageError) as exc:  # bad arguments or model path: a message, not a trace
+        print(f"flashpage {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +17,9 @@ def load_model(name: str | None, dtype: torch.dtype = torch.float32) -> tuple[An
     from flashpage.tiny import tiny_model_path
 
     path = str(tiny_model_path()) if name is None else name
+    if name is not None and name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
+        raise OSError(f"--model {name}: no such directory; give a local checkpoint directory or a hub id "
+                      "(omit --model for the built-in tiny model)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
@@ -49,6 +53,8 @@ DEMO_PROMPTS = [
     "If the file",
     "The default value is",
     "Raise an exception",
+    "The dictionary is a mutable mapping from keys to values. A key must be hashable; the values may be "
+    "any object. When the same key is used again, the old value is replaced. To remove an entry, use the",
 ]
 
 
@@ -76,7 +82,7 @@ def format_demo(report: dict[str, Any]) -> str:
         "KV memory (batch of {batch}, left-padded):".format(batch=report["batch"]),
         f"  dense cache (transformers): {report['dense_kv_bytes'] / 1024:.1f} KiB",
         f"  flashpage pages in use:     {report['paged_kv_bytes'] / 1024:.1f} KiB "
-        f"({report['kv_saving']:.2f}x less; real tokens {report['tokens_stored']}, block size {report['block_size']})",
+        f"({_times(report['kv_saving'])}; real tokens {report['tokens_stored']}, block size {report['block_size']})",
         "",
         "throughput (new tokens/s):",
         f"  transformers generate(): {report['tok_s_hf']:.0f}",
@@ -84,6 +90,11 @@ def format_demo(report: dict[str, Any]) -> str:
         f"  flashpage.LLM:           {report['tok_s_llm']:.0f}",
     ]
     return "\n".join(lines)
+
+
+def _times(saving: float) -> str:
+    """'1.52x less' when the pages are smaller than the dense cache, '1.25x more' otherwise."""
+    return f"{saving:.2f}x less" if saving >= 1 else f"{1 / saving:.2f}x more"
 
 
 def timed(fn, *args, **kwargs) -> tuple[Any, float]:

@@ -43,7 +43,7 @@ def demo(model_name: str | None = None) -> dict[str, Any]:
 
     patch(model)
     (got, got_out), t_patched = timed(_hf_generate, model, batch, tok.pad_token_id)
-    mem = got_out.past_key_values.memory_stats()
+    mem = got_out.cache.memory_stats()
     unpatch(model)
 
     llm = LLM(model, tok, max_num_seqs=len(DEMO_PROMPTS))

@@ -215,7 +215,7 @@ def run_hf_generate(model: Any, work: Workload, pad_id: int, vocab_size: int, se
         clock = _StepClock()
         out = _hf_generate(model, prompts, max(lens), pad_id, clock)
         width = max(len(p) for p in prompts)
-        peak_kv = max(peak_kv, dense_cache_bytes(out.past_key_values))
+        peak_kv = max(peak_kv, dense_cache_bytes(out.cache))
         step_logits = torch.stack(out.logits, dim=1)  # (B, steps, V)
         for j, n in enumerate(lens):
             tokens.append(out.sequences[j, width:width + n].tolist())

@@ -115,7 +115,7 @@ def _run_case(model: Any, ids: torch.Tensor, mask: torch.Tensor, prompt_lengths:
     assert not is_patched(model)
     _log(f"{name}: unpatched, {batch} x {new_tokens} new tokens")
     ref, t_ref = _generate(model, ids, mask, new_tokens, pad_id)
-    dense = dense_cache_bytes(ref.past_key_values)
+    dense = dense_cache_bytes(ref.cache)
     ref_tokens = ref.sequences[:, width:].tolist()
     ref_logits = torch.stack(ref.logits, dim=1)  # (B, new, V)
     del ref
@@ -125,7 +125,7 @@ def _run_case(model: Any, ids: torch.Tensor, mask: torch.Tensor, prompt_lengths:
         got, t_got = _generate(model, ids, mask, new_tokens, pad_id)
     finally:
         unpatch(model)
-    kv = _kv_report(got.past_key_values, prompt_lengths, new_tokens)
+    kv = _kv_report(got.cache, prompt_lengths, new_tokens)
     got_tokens = got.sequences[:, width:].tolist()
     del got
     matches = [compare_greedy(r, g, list(ref_logits[i])) for i, (r, g) in enumerate(zip(ref_tokens, got_tokens,

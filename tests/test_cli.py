@@ -1,0 +1,251 @@
+"""The ``flashpage`` command: help of every subcommand, ``info``, ``generate`` (greedy, streamed,
+seeded sampling), ``demo`` and the quick benchmarks' JSON and plots.
+
+Everything runs in-process through :func:`flashpage.cli.main` (one torch import for all), on the
+built-in tiny model, offline; one test runs the installed console script. ``bench generate`` and
+``bench engine --workload shared-prefix`` at their real ``--quick`` size, with ``--plot``, are
+tests/test_bench.py's; here ``bench generate --quick`` runs a smaller workload (monkeypatched) to
+check the command's wiring, and ``bench engine --quick`` runs its default mixed workload.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashpage.cli import main
+from flashpage.commands import DEMO_PROMPTS
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRY_POINTS = ("flash_attn_with_kvcache", "flash_attn_varlen_func", "store_kv")
+SUBCOMMANDS = (
+    ("info",),
+    ("generate",),
+    ("demo",),
+    ("bench",),
+    ("bench", "kernels"),
+    ("bench", "generate"),
+    ("bench", "engine"),
+)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+MIN_WORD_FRACTION = 0.7
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+def _png(path: Path) -> None:
+    assert path.is_file() and path.stat().st_size > 1000, f"{path} was not written"
+    assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+
+
+# ------------------------------------------------------------------------------------------- help
+def test_top_level_help_lists_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(capsys)
+    assert text.startswith("usage: flashpage")
+    for sub in ("info", "generate", "demo", "bench"):
+        assert sub in text
+
+
+@pytest.mark.parametrize("argv", SUBCOMMANDS, ids=" ".join)
+def test_subcommand_help(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...]) -> None:
+    text = _help(capsys, *argv)
+    assert text.startswith(f"usage: flashpage {' '.join(argv)}")
+    expected = {
+        ("info",): ["--json"],
+        ("generate",): ["--prompt", "--max-tokens", "--temperature", "--seed", "--stream", "--model"],
+        ("demo",): ["--model", "--json"],
+        ("bench",): ["kernels", "generate", "engine"],
+        ("bench", "kernels"): ["--json", "--plot", "--quick"],
+        ("bench", "generate"): ["--json", "--plot", "--quick", "--model"],
+        ("bench", "engine"): ["--json", "--plot", "--quick", "--model", "--workload"],
+    }[argv]
+    for option in expected:
+        assert option in text, f"{option} missing from `flashpage {' '.join(argv)} --help`"
+
+
+@pytest.mark.parametrize("argv", [(), ("bench",), ("generate",), ("bench", "nope")], ids=repr)
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    assert exc.value.code == 2
+    assert "usage: flashpage" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- info
+def test_info_names_entry_points_and_reasons(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "info")
+    assert code == 0
+    assert out.startswith("flashpage ")
+    for entry in ENTRY_POINTS:
+        lines = [line for line in out.splitlines() if line.strip().startswith(entry)]
+        assert lines, f"`flashpage info` does not mention {entry}"
+        for line in lines:
+            backend, _, reason = line.partition("-> ")[2].partition(": ")
+            assert backend in ("fa3", "fa2", "reference", "torch") and reason.strip(), line
+
+    code, out, _ = _run(capsys, "info", "--json")
+    assert code == 0
+    info = json.loads(out)
+    assert {"flashpage", "torch", "transformers", "devices", "kernels", "default_block_size"} <= set(info)
+    cpu = {k["entry_point"]: k for k in info["kernels"] if k["device"] == "cpu"}
+    assert set(cpu) == set(ENTRY_POINTS)
+    for k in info["kernels"]:
+        assert k["reason"].startswith(f"{k['backend']}: ") and len(k["reason"]) > len(k["backend"]) + 5, k
+    # flash-attn never runs on a CPU: the reason says why the reference does
+    for entry in ("flash_attn_with_kvcache", "flash_attn_varlen_func"):
+        assert cpu[entry]["backend"] == "reference"
+        assert "flash-attn" in cpu[entry]["reason"]
+
+
+# --------------------------------------------------------------------------------------- generate
+def test_generate_greedy_and_streamed(capsys: pytest.CaptureFixture[str]) -> None:
+    code, plain, _ = _run(capsys, "generate", "--prompt", "The list", "--max-tokens", "8")
+    assert code == 0
+    assert plain.startswith("The list") and len(plain.strip()) > len("The list"), plain
+    code, streamed, _ = _run(capsys, "generate", "--prompt", "The list", "--max-tokens", "8", "--stream")
+    assert code == 0
+    assert streamed == plain  # greedy: the streamed deltas add up to the same text
+
+
+def test_generate_seeded_sampling_is_reproducible(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("generate", "--prompt", "If the", "--max-tokens", "8", "--temperature", "0.8", "--seed", "1")
+    code, first, _ = _run(capsys, *argv)
+    assert code == 0 and first.startswith("If the")
+    code, second, _ = _run(capsys, *argv)
+    assert code == 0
+    assert second == first
+
+
+def test_generate_text_is_mostly_words(capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI path (flashpage.LLM on the patched tiny model) writes real words.
+
+    tests/test_tiny_model.py checks transformers' own greedy output against the whole training
+    corpus; this checks what a user of `flashpage generate` sees, against the words of the help
+    topics alone (the corpus's first part, quick to build).
+    """
+    from flashpage.tiny.corpus import corpus_words, help_topics, normalize_word
+
+    words = corpus_words(help_topics())
+    for prompt in ("The list", "If the"):
+        code, out, _ = _run(capsys, "generate", "--prompt", prompt, "--max-tokens", "40")
+        assert code == 0
+        tokens = [w for w in (normalize_word(t) for t in out[len(prompt) :].split()) if w]
+        unknown = [w for w in tokens if w not in words]
+        assert len(tokens) >= 5, out
+        assert 1 - len(unknown) / len(tokens) >= MIN_WORD_FRACTION, (out, unknown)
+
+
+# ------------------------------------------------------------------------------------------- demo
+def test_demo_reports_identical_outputs(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "demo")
+    assert code == 0, out
+    assert out.startswith("model: built-in tiny model")
+    for prompt in DEMO_PROMPTS:
+        assert f"> {prompt}" in out
+    assert "patched generate() == transformers generate(): True" in out
+    assert "flashpage.LLM       == transformers generate(): True" in out
+    assert "dense cache (transformers):" in out and "flashpage pages in use:" in out
+    assert "x less;" in out, "the demo batch (one long prompt among short ones) must show the pages' saving"
+    assert "throughput (new tokens/s):" in out
+
+
+# ------------------------------------------------------------------------------------------ bench
+def test_bench_kernels_quick_json_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    plot = tmp_path / "kernels.png"
+    code, out, err = _run(capsys, "bench", "kernels", "--quick", "--json", "--plot", str(plot))
+    assert code == 0, err
+    result = json.loads(out)  # progress and the plot notice go to stderr: stdout is one JSON document
+    assert result["outputs_agree"] is True
+    assert result["num_seqs"] == 32 and result["max_len"] == 512
+    assert result["paged_ms"] > 0 and result["dense_sdpa_ms"] > 0
+    assert result["paged_backend"].startswith("reference: ")
+    _png(plot)
+    assert str(plot) in err
+
+
+def test_bench_generate_quick_json(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from flashpage.bench import generate
+
+    small = generate.GenerateWorkload(
+        batch=2, min_prompt=8, max_prompt=24, cases=(("short", 6), ("long", 12)), warmup_tokens=2
+    )
+    monkeypatch.setattr(generate, "QUICK", small)
+    plot = tmp_path / "generate.png"
+    code, out, err = _run(capsys, "bench", "generate", "--quick", "--json", "--plot", str(plot))
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["bench"] == "generate" and result["quick"] is True and result["batch"] == 2
+    assert set(result["cases"]) == {"short", "long"}
+    for case in result["cases"].values():
+        assert case["outputs_agree"] is True, case["mismatches"]
+        assert case["kv_within_bound"] is True
+        assert case["tok_s_patched"] > 0 and case["tok_s_unpatched"] > 0
+    _png(plot)
+
+
+def test_bench_engine_quick_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "bench", "engine", "--quick", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["bench"] == "engine" and result["workload"] == "mixed" and result["quick"] is True
+    assert set(result["systems"]) == {"flashpage", "hf_generate", "hf_cb"}
+    assert result["outputs_agree"] is True
+    for name, system in result["systems"].items():
+        assert system["output_tokens_per_s"] > 0, name
+        assert system["output_tokens"] == result["useful_output_tokens"], name
+
+
+# ---------------------------------------------------------------------------------- console script
+def test_installed_console_script() -> None:
+    exe = shutil.which("flashpage", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip(f"no `flashpage` console script next to {sys.executable}: pip install -e . first")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(
+        [exe, "info", "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout)
+    assert {k["entry_point"] for k in info["kernels"]} == set(ENTRY_POINTS)
+    import flashpage
+
+    assert info["flashpage"] == flashpage.__version__
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (("generate", "--prompt", "The list", "--max-tokens", "0"), "max_tokens"),
+    (("generate", "--prompt", "", "--max-tokens", "3"), "prompt is empty"),
+    (("generate", "--model", "/nonexistent/model", "--prompt", "x"), "no such directory"),
+], ids=["max-tokens-0", "empty-prompt", "missing-model-dir"])
+def test_bad_values_exit_2_with_a_message(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...],
+                                          words: str) -> None:
+    """Values argparse cannot check still end in one 'error:' line and exit status 2, not a traceback."""
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert f"flashpage {argv[0]}: error:" in err and words in err and "Traceback" not in err

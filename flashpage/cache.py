@@ -379,6 +379,10 @@ class PagedKVCache:
         (their K/V is not written again); ``plan.query_lens[i]`` the rest. ``token_index`` is None:
         set it when the input holds the cached tokens too.
         """
+        taken = [s for s in seq_ids if self.blocks.has_sequence(s)]
+        if taken or len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"plan_new_sequences: sequence ids must be new and distinct; got {list(seq_ids)!r} "
+                             f"({'already in the cache: ' + repr(taken) if taken else 'repeated ids'})")
         needed = sum(-(-len(t) // self.block_size) for t in token_ids)
         if needed > self.blocks.num_free_blocks:
             raise NoFreeBlocksError(needed, self.blocks.num_free_blocks, "adding these sequences")
@@ -416,7 +420,16 @@ class PagedKVCache:
             v: (N, Hk, Dv) new values, same layout.
             plan: this step's plan.
         """
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"PagedKVCache: layer {layer} does not exist, the cache has {self.num_layers} layers; "
+                             "was it built for (or filled by) another model? Use one cache per model")
         pages = self._pages_for(layer, k, v)
+        if k.shape[1:] != pages.k.shape[2:] or v.shape[1:] != pages.v.shape[2:]:
+            raise ValueError(
+                f"PagedKVCache: layer {layer} got K/V with (Hk, D) = {tuple(k.shape[1:])} / {tuple(v.shape[1:])} but "
+                f"its pages hold {tuple(pages.k.shape[2:])} / {tuple(pages.v.shape[2:])}; was the cache built for "
+                "(or filled by) a model of another geometry? Use one cache per model"
+            )
         dplan = plan.on(pages.k.device)
         if dplan.token_index is not None:
             k = k.index_select(0, dplan.token_index)

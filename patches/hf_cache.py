@@ -129,6 +129,9 @@ class HFPagedCache(Cache):
         growable: bool = True,
         dense_view: bool = False,
     ) -> None:
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_cache_len", max_cache_len)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"HFPagedCache: {name} must be a positive int or None (the default), got {value!r}")
         if num_layers is None:
             if config is None:
                 raise ValueError("HFPagedCache needs the model config (HFPagedCache(model.config)) or num_layers=")
@@ -351,7 +354,8 @@ class HFPagedCache(Cache):
         if width not in (length, self._logical_len + length):
             raise ValueError(
                 f"attention_mask has {width} columns; expected {self._logical_len + length} (cached "
-                f"{self._logical_len} + new {length}) or {length}"
+                f"{self._logical_len} + new {length}) or {length}; a filled HFPagedCache continues its own "
+                "sequences: pass them whole plus the new tokens, or use a new cache (or cache.reset())"
             )
         return attention_mask[:, width - length:].to("cpu", torch.bool)
 

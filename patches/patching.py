@@ -132,6 +132,10 @@ def _check_cache_options(options: dict[str, Any]) -> None:
     if unknown:
         raise TypeError(f"flashpage.patch got unknown cache option(s) {sorted(unknown)}; "
                         f"allowed: {sorted(_OPTION_NAMES)}")
+    for name in ("block_size", "num_blocks", "max_cache_len"):
+        value = options.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"flashpage.patch: cache option {name} must be a positive int or None, got {value!r}")
 
 
 def _family_of(model: torch.nn.Module) -> FamilySpec:
@@ -173,11 +177,14 @@ def _bound_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict
 
 def _pre_hook(state: PatchState):
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if state.planner is not None and state.active_cache is not None and module is not state.planner:
-            return  # the outer model already planned this forward
-        state.planner = module
         inputs = _bound_arguments(module, args, kwargs)
         cache = next((inputs[k] for k in _CACHE_KWARGS if inputs.get(k) is not None), None)
+        if state.planner is not None and state.active_cache is not None and module is not state.planner \
+                and cache is state.active_cache:
+            # the outer model already planned this forward and handed its cache down. (A state left by an
+            # interrupted forward, whose post-hook torch skips on KeyboardInterrupt, never has this cache.)
+            return
+        state.planner = module
         if not isinstance(cache, HFPagedCache):
             state.active_cache = None
             return

@@ -2,10 +2,13 @@
 
 - :class:`FaultHook` / :class:`HoldHook`: forward pre-hooks that raise (any exception, also
   ``KeyboardInterrupt``) or block (on a ``threading.Event``) on chosen calls of a module;
+- :class:`CallFault`: the same for any method of an object or class (the sampler, the block
+  manager's ``append``, ...), calling through otherwise;
 - :class:`GroupRecorder`: remembers every request group an :class:`~flashpage.LLM` enqueues, so a
   test can read a request's final output even when no public API handed it back;
 - :func:`kv_state` / :func:`assert_pool_clean` / :func:`assert_cache_matches_computed`: block
   accounting snapshots and the checks made after a fault;
+- :func:`run_to_completion`: step an LLM until nothing is left, returning every final output;
 - :func:`check_greedy`: tie-aware comparison of a greedy output with a reference output, the
   tie gap taken from the model's own logits (EOS and stop ids masked under ``min_tokens``).
 """
@@ -89,6 +92,54 @@ class HoldHook:
         self._handle.remove()
 
 
+class CallFault:
+    """Replace ``owner.name`` (a method of an instance, or of a class) by a wrapper that raises
+    ``make_exc(call_number)`` on the chosen calls and calls the original otherwise.
+
+    Args:
+        owner: an object (the wrapper shadows the method on this instance only) or a class
+            (every instance is affected, also for dunder methods such as ``__call__``).
+        name: the attribute to wrap.
+        fail_on: 1-based call numbers to fail, or a predicate on the call number.
+        make_exc: builds the exception (default: ``RuntimeError("injected fault in NAME ...")``).
+
+    Use as a context manager; the original is always restored on exit.
+    """
+
+    def __init__(self, owner: Any, name: str, fail_on: Iterable[int] | Callable[[int], bool],
+                 make_exc: Callable[[int], BaseException] | None = None) -> None:
+        self.owner = owner
+        self.name = name
+        self._fail_on = fail_on if callable(fail_on) else set(fail_on).__contains__
+        self._make_exc = make_exc or (lambda n: RuntimeError(f"injected fault in {name} on call {n}"))
+        self.calls = 0
+        self.raised: list[int] = []
+        self._saved: Any = None
+        self._had_own = False
+
+    def __enter__(self) -> CallFault:
+        own = vars(self.owner)
+        self._had_own = self.name in own
+        self._saved = own.get(self.name)
+        original = getattr(self.owner, self.name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            if self._fail_on(self.calls):
+                self.raised.append(self.calls)
+                raise self._make_exc(self.calls)
+            return original(*args, **kwargs)
+
+        setattr(self.owner, self.name, wrapper)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._had_own:
+            setattr(self.owner, self.name, self._saved)
+        else:
+            delattr(self.owner, self.name)
+
+
 # ------------------------------------------------------------------------------------ recorder
 class GroupRecorder:
     """Records every :class:`Group` ``llm`` enqueues (add_request, generate and stream alike)."""
@@ -105,6 +156,17 @@ class GroupRecorder:
 
     def num_output(self, request_id: str) -> int:
         return sum(s.num_output for s in self.groups[request_id].seqs)
+
+
+def run_to_completion(llm: LLM, recorder: GroupRecorder, max_steps: int = 2000) -> dict[str, Any]:
+    """Step ``llm`` until no request is left; the final output of every request ``recorder`` saw
+    (also those finished inside a generate() or stream() call, which step() never reports)."""
+    for _ in range(max_steps):
+        if not llm.has_unfinished_requests():
+            break
+        llm.step()
+    assert not llm.has_unfinished_requests(), f"requests still unfinished after {max_steps} steps"
+    return {rid: g.to_output() for rid, g in recorder.groups.items()}
 
 
 # ------------------------------------------------------------------------------ block accounting

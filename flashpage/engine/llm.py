@@ -12,7 +12,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,25 +80,33 @@ class LLM:
                  check_invariants: bool = False) -> None:
         if isinstance(model, (str, os.PathLike)):
             model, tokenizer = _load(model, tokenizer, dtype, device)
-        _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                        **{k: v for k, v in (("block_size", block_size), ("num_blocks", num_blocks),
+                                             ("max_model_len", max_model_len)) if v is not None})
         self.model = model.eval()
         self.tokenizer = tokenizer
+        was_patched = is_patched(self.model)
         patch(self.model)
-        if patch_state(self.model).family.path != "interface":
-            raise TypeError(f"flashpage.LLM does not support {type(model).__name__} yet: its attention bypasses "
-                            "transformers' interface. Use flashpage.patch(model) with model.generate() instead.")
-        self.device = next(self.model.parameters()).device
-        config = self.model.config.get_text_config(decoder=True)
-        self.vocab_size = int(config.vocab_size)
-        self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", None) or 1 << 30
-        sizing = plan_kv_pool(self.model, self.device, block_size or default_block_size(self.device),
-                              num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-                              gpu_memory_utilization=gpu_memory_utilization)
-        self.sizing: KVSizing = sizing
-        self.kv = PagedKVCache(sizing.num_layers, sizing.num_kv_heads, sizing.head_dim,
-                               v_head_dim=sizing.v_head_dim, num_blocks=sizing.num_blocks,
-                               block_size=sizing.block_size, dtype=sizing.dtype, device=sizing.layer_devices,
-                               enable_prefix_caching=enable_prefix_caching)
+        try:
+            if patch_state(self.model).family.path != "interface":
+                raise TypeError(f"flashpage.LLM does not support {type(model).__name__} yet: its attention bypasses "
+                                "transformers' interface. Use flashpage.patch(model) with model.generate() instead.")
+            self.device = next(self.model.parameters()).device
+            config = self.model.config.get_text_config(decoder=True)
+            self.vocab_size = int(config.vocab_size)
+            self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", None) or 1 << 30
+            sizing = plan_kv_pool(self.model, self.device, block_size or default_block_size(self.device),
+                                  num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
+                                  gpu_memory_utilization=gpu_memory_utilization)
+            self.sizing: KVSizing = sizing
+            self.kv = PagedKVCache(sizing.num_layers, sizing.num_kv_heads, sizing.head_dim,
+                                   v_head_dim=sizing.v_head_dim, num_blocks=sizing.num_blocks,
+                                   block_size=sizing.block_size, dtype=sizing.dtype, device=sizing.layer_devices,
+                                   enable_prefix_caching=enable_prefix_caching)
+        except BaseException:  # leave the model as it was given
+            if not was_patched:
+                unpatch(self.model)
+            raise
         self._cache = HFPagedCache.wrap(self.kv, config)
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
             else "past_key_values"
@@ -200,6 +208,9 @@ class LLM:
         items = _as_prompt_list(prompts)
         if isinstance(params, SamplingParams) or params is None:
             plist = [params] * len(items)
+        elif isinstance(params, (str, bytes, Mapping)) or not isinstance(params, Iterable):
+            raise TypeError(f"sampling_params must be a flashpage.SamplingParams or a list of them (one per prompt), "
+                            f"got {type(params).__name__}")
         else:
             plist = list(params)
             if len(plist) != len(items):
@@ -220,8 +231,10 @@ class LLM:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self._groups:
             raise ValueError(f"request id {rid!r} is already in use")
+        # a sequence can hold no more tokens than the model's positions, nor than the whole KV pool
+        cap = min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
         return Group(rid, text, ids, params, RequestMetrics(time.perf_counter()), self.tokenizer,
-                     max_total_tokens=self.max_model_len)
+                     max_total_tokens=cap)
 
     def _enqueue(self, group: Group) -> None:
         self._groups[group.request_id] = group
@@ -265,7 +278,11 @@ class LLM:
         start = time.perf_counter()
         emitting = [c for c in schedule.chunks if c.emits]
         logits = self._forward(schedule, emitting)
-        touched = self._postprocess(emitting, logits)
+        try:
+            touched = self._postprocess(emitting, logits)
+        except BaseException:
+            self._unsample()
+            raise
         self._counters["steps"] += 1
         self._counters["computed"] += schedule.num_tokens
         self._counters["busy"] += time.perf_counter() - start
@@ -329,6 +346,15 @@ class LLM:
         self._counters["generated"] += len(tokens)
         return list(touched.values())
 
+    def _unsample(self) -> None:
+        """After a failure between the forward and the sampled tokens: a running sequence whose
+        logits were computed but turned into no token gives back its last computed token, so the
+        next step computes it again and samples (otherwise it would never be scheduled again)."""
+        for seq in self.scheduler.running:
+            if seq.in_cache and seq.num_computed and seq.remaining == 0:
+                seq.num_computed -= 1
+                self.kv.truncate(seq.seq_id, seq.num_computed)
+
     def _fork_samples(self, seq: Seq) -> list[Seq]:
         group = seq.group
         if seq.index != 0 or seq.num_output != 0 or len(group.seqs) >= group.params.n:
@@ -336,10 +362,18 @@ class LLM:
         children = []
         for i in range(len(group.seqs), group.params.n):
             child = group.new_seq(i, seq.token_ids)
-            self.kv.fork(seq.seq_id, child.seq_id)
-            child.in_cache = True
-            child.num_computed = seq.num_computed
-            self.scheduler.add_running_after(seq, child)
+            try:
+                self.kv.fork(seq.seq_id, child.seq_id)
+                child.in_cache = True
+                child.num_computed = seq.num_computed
+                self.scheduler.add_running_after(seq, child)
+            except BaseException:  # drop the half-made sample: the parent's next emitting step forks it again
+                group.seqs.remove(child)
+                if child in self.scheduler.running:
+                    self.scheduler.running.remove(child)
+                if self.kv.has_sequence(child.seq_id):
+                    self.kv.free(child.seq_id)
+                raise
             children.append(child)
         return children
 
@@ -407,6 +441,9 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]
     if isinstance(prompts, torch.Tensor):
         return [prompts.tolist()] if prompts.dim() == 1 else [p.tolist() for p in prompts]
+    if not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts must be a text, a list of token ids, or a list of those; "
+                        f"got {type(prompts).__name__}")
     items = list(prompts)
     if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
         return [items]

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily (as in vLLM)
 
 
 @dataclass
@@ -16,7 +17,7 @@ class SamplingParams:
     Attributes:
         max_tokens: new tokens to generate at most (>= 1).
         min_tokens: EOS and ``stop_token_ids`` are suppressed until this many were generated.
-        temperature: 0 is greedy; > 0 samples from softmax(logits / temperature).
+        temperature: 0 (or below 1e-5) is greedy; > 0 samples from softmax(logits / temperature).
         top_k: keep the k most likely tokens (0 or -1: off).
         top_p: keep the smallest set of tokens whose probability reaches top_p (1: off).
         min_p: drop tokens below ``min_p`` x the top token's probability (0: off).
@@ -85,6 +86,8 @@ class SamplingParams:
     def _check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
         if stop is None:
             return ()
+        if not isinstance(stop, (str, Iterable)):
+            raise ValueError(f"SamplingParams.stop must be a string or a list of strings; got {stop!r}")
         items = (stop,) if isinstance(stop, str) else tuple(stop)
         for s in items:
             if not isinstance(s, str) or not s:
@@ -95,6 +98,8 @@ class SamplingParams:
     def _check_stop_ids(ids: Sequence[int] | None) -> frozenset[int]:
         if ids is None:
             return frozenset()
+        if isinstance(ids, str) or not isinstance(ids, Iterable):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids; got {ids!r}")
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"SamplingParams.stop_token_ids must be token ids (ints >= 0); got {t!r}")
@@ -103,7 +108,8 @@ class SamplingParams:
     # ---------------------------------------------------------------- helpers
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below GREEDY_TEMPERATURE, logits / temperature overflow to inf (and sampling to NaN): argmax instead
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -103,6 +103,20 @@ class Scheduler:
     # --------------------------------------------------------------- schedule
     def schedule(self) -> Schedule:
         out = Schedule()
+        try:
+            self._schedule(out)
+        except BaseException:
+            # an allocation failed (or an interrupt arrived) halfway: give back this step's slots, and
+            # the prefix hits of an admission cut short, so the queues and the cache agree again
+            self.rollback(out)
+            for seq in self.waiting:
+                if seq.in_cache:
+                    self._release(seq)
+                    seq.num_computed = 0
+            raise
+        return out
+
+    def _schedule(self, out: Schedule) -> None:
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
         decodes = [s for s in self.running if s.remaining == 1]
@@ -118,7 +132,6 @@ class Scheduler:
             budget -= n
         if not out.preempted:
             self._admit(out, budget)
-        return out
 
     def _allocate(self, seq: Seq, n: int, admitted: bool = False) -> Chunk:
         start = seq.num_computed
@@ -163,10 +176,11 @@ class Scheduler:
                 self._release(seq)  # give back its prefix hits; it stays first in line
                 seq.num_computed = 0
                 break
+            chunk = self._allocate(seq, n, admitted=True)  # may raise: then the sequence is still first in line
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.chunks.append(self._allocate(seq, n, admitted=True))
+            out.chunks.append(chunk)
             budget -= n
 
     def _release(self, seq: Seq) -> None:

@@ -426,13 +426,69 @@ def flash_attn_with_kvcache(
     if alibi_slopes is not None:
         slopes = alibi_slopes.expand(batch, heads) if alibi_slopes.dim() == 1 else alibi_slopes
     seq_q = torch.full((batch,), seqlen_q, dtype=torch.int64, device=dev)
-    out, lse = attend(_scaled(qh, mask, acc), keys, seq_q, seq_k, mask, group, slopes, s_aux, q.dtype)
+    if _plain_decode_ok(q, keys, seqlen_q, mask, alibi_slopes, s_aux, batch):
+        out, lse = _plain_decode(_scaled(qh, mask, acc), keys, seq_k, return_softmax_lse)
+    else:
+        out, lse = attend(_scaled(qh, mask, acc), keys, seq_q, seq_k, mask, group, slopes, s_aux, q.dtype)
     out = out.view(hk, batch, seqlen_q, group, d).permute(1, 2, 0, 3, 4).reshape(batch, seqlen_q, heads, d)
     out = out.to(q.dtype)
     if not return_softmax_lse:
         return out
     lse = lse.view(hk, batch, seqlen_q, group).permute(1, 0, 3, 2).reshape(batch, heads, seqlen_q)
     return out, lse
+
+
+def _plain_decode_ok(q, keys: KeyLayout, seqlen_q: int, mask: MaskSpec, alibi_slopes, s_aux, batch: int) -> bool:
+    """One query per sequence over fp32/fp64 pages with nothing but key padding to apply."""
+    if seqlen_q != 1 or keys.block_table is None or alibi_slopes is not None or s_aux is not None:
+        return False
+    if mask.local or mask.softcap > 0 or q.dtype not in (torch.float32, torch.float64) or keys.k.dtype != q.dtype:
+        return False
+    width = keys.block_table.shape[1] * keys.page
+    return 2 * batch * width * keys.k.shape[-2] * keys.k.shape[-1] * keys.k.element_size() <= _KV_CHUNK_BYTES
+
+
+def _plain_decode(
+    qh: torch.Tensor, keys: KeyLayout, seq_k: torch.Tensor, want_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decode attention in one pass: pages gathered once into scratch, masked softmax, P.V.
+
+    qh: (Hk, B, G, D) scaled queries; seq_k: (B,) int64 key lengths. Returns out (Hk, B, G, D)
+    and, if ``want_lse``, lse (Hk, B, G) (+inf where a sequence has no key). The same arithmetic
+    as one chunk of the online softmax, without its bookkeeping."""
+    hk, n, rows, d = qh.shape
+    page, dev = keys.page, qh.device
+    width = -(-int(seq_k.max()) // page) * page if n else 0
+    out = torch.zeros_like(qh)
+    if width == 0:
+        return out, torch.full(qh.shape[:-1], float("inf"), dtype=qh.dtype, device=dev) if want_lse else None
+    nb = width // page
+    cols = torch.arange(nb, device=dev)[None, :]
+    table = keys.block_table[:, :nb]
+    ids = torch.where(cols * page < seq_k[:, None], table, torch.zeros_like(table)).flatten()
+    kc = _pages(keys.k, ids, "k").view(n, width, hk, d)
+    scores = _buffer("scores", hk * n * rows * width, qh.dtype, dev).view(hk, n, rows, width)
+    for h in range(hk):
+        torch.bmm(qh[h], kc[:, :, h].transpose(1, 2), out=scores[h])
+    hidden = torch.arange(width, device=dev)[None, :] >= seq_k[:, None]
+    scores.masked_fill_(hidden.view(1, n, 1, width), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1) if want_lse else None
+    probs = torch.softmax(scores, dim=-1)
+    vc = _pages(keys.v, ids, "v").view(n, width, hk, d)
+    for h in range(hk):
+        torch.bmm(probs[h], vc[:, :, h], out=out[h])
+    if int(seq_k.min()) == 0:  # no visible key: output 0 and LSE +inf, as the kernel gives
+        out.masked_fill_((seq_k == 0).view(1, n, 1, 1), 0.0)
+        if lse is not None:
+            lse.masked_fill_((seq_k == 0).view(1, n, 1), float("inf"))
+    return out, lse
+
+
+def _pages(pages: torch.Tensor, ids: torch.Tensor, slot: str) -> torch.Tensor:
+    """pages[ids] (len(ids), P, Hk, D), copied into this thread's scratch buffer ``slot``."""
+    shape = (ids.shape[0], *pages.shape[1:])
+    buf = _buffer(slot, shape[0] * pages[0].numel(), pages.dtype, pages.device).view(shape)
+    return torch.index_select(pages, 0, ids, out=buf)
 
 
 def _scaled(qh: torch.Tensor, mask: MaskSpec, acc: torch.dtype) -> torch.Tensor:
@@ -510,7 +566,8 @@ def flash_attn_varlen_func(
         valid = torch.arange(rq, device=dev)[None, :] < sq_all[idx][:, None]
         qrows = qrows.clamp(max=total_q - 1)
         sk = [seq_k[b] for b in members]
-        if plain and sdpa_path.fits(n, rq, max(sk), heads, hk, d, k.element_size()):
+        decode = rq == 1 and _plain_decode_ok(q, keys, 1, mask, alibi_slopes, s_aux, n)
+        if plain and not decode and sdpa_path.fits(n, rq, max(sk), heads, hk, d, k.element_size()):
             o = sdpa_path.attend_bucket(q, k, v, table, spec.page_size, cu_k, idx, qrows,
                                         [seq_q[b] for b in members], sk, mask)
             if n == spec.batch and rq * n == total_q:  # one full bucket: rows already in order
@@ -520,14 +577,19 @@ def flash_attn_varlen_func(
             continue
         qg = q[qrows].view(n, rq, hk, group, d).permute(2, 0, 1, 3, 4).reshape(hk, n, rq * group, d)
         slopes = slopes_all[idx] if slopes_all is not None else None
-        o, lse = attend(
-            _scaled(qg, mask, acc), keys.select(idx), sq_all[idx], sk_all[idx], mask, group, slopes, s_aux, q.dtype
-        )
+        if decode:  # the same one-pass arithmetic as flash_attn_with_kvcache's decode
+            o, lse = _plain_decode(_scaled(qg, mask, acc), keys.select(idx), sk_all[idx], return_attn_probs)
+        else:
+            o, lse = attend(
+                _scaled(qg, mask, acc), keys.select(idx), sq_all[idx], sk_all[idx], mask, group, slopes, s_aux,
+                q.dtype,
+            )
         o = o.view(hk, n, rq, group, d).permute(1, 2, 0, 3, 4).reshape(n, rq, heads, d)
-        lse = lse.view(hk, n, rq, group).permute(1, 2, 0, 3).reshape(n, rq, heads)
         dst = qrows[valid]
         out[dst] = o[valid].to(q.dtype)
-        lse_all[:, dst] = lse[valid].transpose(0, 1)
+        if lse is not None:
+            lse = lse.view(hk, n, rq, group).permute(1, 2, 0, 3).reshape(n, rq, heads)
+            lse_all[:, dst] = lse[valid].transpose(0, 1)
     if return_attn_probs:
         return out, lse_all, None
     return out

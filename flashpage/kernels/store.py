@@ -55,7 +55,7 @@ def store_kv(
     (NB, P, Hk, Dv) at slot_mapping[t], in place (Dv may differ from D, as in DeepSeek MLA).
 
     Slots equal to -1 are skipped. The caches may be views (only the last dim contiguous).
-    Sync-free: a skipped token is redirected to the first stored token's slot with that
+    On accelerators it is sync-free: a skipped token is redirected to the first stored token's slot with that
     token's value (same bytes, so duplicate writes agree); if no token is stored, slot 0 is
     rewritten with its own value.
     """
@@ -65,6 +65,13 @@ def store_kv(
     page = k_cache.shape[1]
     slots = slot_mapping.to(torch.int64)
     keep = slots >= 0
+    if slots.device.type == "cpu":  # host tensors: syncing is free, so drop skipped tokens up front
+        if not bool(keep.all()):
+            slots, k, v = slots[keep], k[keep], v[keep]
+        block, offset = slots // page, slots % page
+        k_cache[block, offset] = k
+        v_cache[block, offset] = v
+        return
     first = torch.argmax(keep.to(torch.int8))  # first stored token (0 if none)
     any_kept = keep[first]
     fallback = torch.where(any_kept, slots[first], torch.zeros_like(slots[first]))

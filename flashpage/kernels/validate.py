@@ -9,6 +9,7 @@ what flash-attn silently gets wrong: KV capacity (CapacityError) and block ids o
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -451,9 +452,28 @@ def check_kvcache_lengths(
 def check_block_ids(
     fn: str, block_table: torch.Tensor, key_lengths: list[int], page: int, num_blocks: int
 ) -> None:
-    """Ids of the blocks that will be read must lie in [0, NB); padding after them may be anything."""
+    """Ids of the blocks that will be read must lie in [0, NB); padding after them may be anything.
+
+    Every layer of a forward passes the same block table: a table already checked with the same
+    lengths (same tensor object, unmodified since) is not scanned again."""
     if not key_lengths:
         return
+    # inference tensors have no version counter: identity alone (they are only written in inference mode)
+    version = -1 if block_table.is_inference() else block_table._version
+    key = (version, tuple(key_lengths), page, num_blocks)
+    last = getattr(_CHECKED, "last", None)
+    if last is not None and last[0] is block_table and last[1] == key:
+        return
+    _scan_block_ids(fn, block_table, key_lengths, page, num_blocks)
+    _CHECKED.last = (block_table, key)
+
+
+_CHECKED = threading.local()  # the last block table that passed check_block_ids, per thread
+
+
+def _scan_block_ids(
+    fn: str, block_table: torch.Tensor, key_lengths: list[int], page: int, num_blocks: int
+) -> None:
     used = torch.tensor([(n + page - 1) // page for n in key_lengths], device=block_table.device)
     cols = torch.arange(block_table.shape[1], device=block_table.device)
     needed = cols[None, :] < used[:, None]

@@ -18,8 +18,8 @@ Each time: the exception reaches the caller unchanged (type and message); ``gene
 requests finished or were aborted); and the next ``generate()`` on the same LLM is exact (greedy
 output equal to transformers' ``generate()``, tie-aware). For patched ``generate()``: a forward
 exception or interrupt mid-generation leaves the model, and an explicit HFPagedCache, usable and the
-next ``generate()`` exact. ``test_lost_output_...`` pins down a known limitation: a queued request
-finishing inside ``generate()`` is never reported by ``step()``.
+next ``generate()`` exact. ``test_queued_request_finished_inside_generate...``: a queued request
+finishing inside ``generate()`` is reported by the next ``step()``, once.
 """
 
 from __future__ import annotations
@@ -276,19 +276,20 @@ def test_abort_right_after_a_failed_step_frees_everything(model: torch.nn.Module
     assert_pool_clean(llm)
 
 
-def test_lost_output_queued_request_finished_inside_generate(model: torch.nn.Module, prompts: list[list[int]],
-                                                             refs: list[Any]) -> None:
-    """Known limitation (tests/test_soak.py counts these as "lost"): a request queued with
-    add_request() that finishes while generate() runs (also a generate() that then fails) is
-    computed exactly, but no step() ever reports its final output."""
+def test_queued_request_finished_inside_generate_is_reported_by_step(model: torch.nn.Module,
+                                                                    prompts: list[list[int]], refs: list[Any]) -> None:
+    """A request queued with add_request() that finishes while generate() runs (here a generate()
+    that then fails) is computed exactly and its final output comes back from the next step()."""
     llm, rec = _llm(model)
     queued = llm.add_request(prompts[CALL_ONLY], SamplingParams(max_tokens=2, temperature=0.0))
     with FaultHook(model.model.layers[1], lambda n: n == 8), pytest.raises(RuntimeError, match="on call 8"):
         llm.generate(prompts[:CALL_ONLY], GREEDY, use_tqdm=False)
     assert rec.groups[queued].finished, "the queued request should have finished before the fault"
-    assert not llm.has_unfinished_requests() and llm.step() == []  # never reported
-    _assert_exact(rec.groups[queued].to_output().outputs[0].token_ids, (refs[CALL_ONLY][0][:2], refs[CALL_ONLY][1]),
-                  "queued request")
+    assert llm.has_unfinished_requests(), "its output is still to be reported"
+    reported = llm.step()
+    assert [o.request_id for o in reported] == [queued] and reported[0].finished
+    _assert_exact(reported[0].outputs[0].token_ids, (refs[CALL_ONLY][0][:2], refs[CALL_ONLY][1]), "queued request")
+    assert not llm.has_unfinished_requests() and llm.step() == []  # reported exactly once
     assert_pool_clean(llm)
 
 

@@ -71,7 +71,6 @@ class Ledger:
     reports: dict[str, list[RequestOutput]] = field(default_factory=lambda: defaultdict(list))
     finished: dict[str, RequestOutput] = field(default_factory=dict)
     aborted: set[str] = field(default_factory=set)
-    lost: dict[str, RequestOutput] = field(default_factory=dict)  # finished inside stream(), never reported
     streamed: dict[str, RequestOutput] = field(default_factory=dict)
     live: set[str] = field(default_factory=set)
 
@@ -186,8 +185,9 @@ class Soak:
             drained = not self.step_queue and not ledger.live
             if self.stream_queue and (self.waves % STREAM_EVERY == 0 or drained):
                 self._stream(rng.randint(1, 3))
-            if ledger.live and rng.random() < ABORT_P:
-                rid = rng.choice(sorted(ledger.live))
+            live = sorted(r for r in ledger.live if not self.recorder.groups[r].finished)  # not done inside a stream
+            if live and rng.random() < ABORT_P:
+                rid = rng.choice(live)
                 llm.abort(rid)
                 ledger.aborted.add(rid)
                 ledger.live.discard(rid)
@@ -226,13 +226,8 @@ class Soak:
                 assert reasons.get(key) == c.finish_reason, f"stream {key} ended with {reasons.get(key)}"
                 if llm.tokenizer is not None:
                     assert text[key] == c.text, f"stream {key}: text {text[key]!r} != final {c.text!r}"
-        # the queued requests progressed meanwhile (some may have finished: their output is not
-        # handed back by step(), see test_faults' lost-output test)
+        # the queued requests progressed meanwhile; those that finished are reported by the next step()
         self.stream_progress += sum(rec.num_output(rid) - n for rid, n in queued.items())
-        for rid in list(ledger.live):
-            if rec.groups[rid].finished:
-                ledger.lost[rid] = rec.groups[rid].to_output()
-                ledger.live.discard(rid)
 
 
 # ---------------------------------------------------------------------------------- checks
@@ -261,7 +256,7 @@ def _check_well_formed(spec: Spec, out: RequestOutput, eos: frozenset[int], max_
 
 def _results(ledger: Ledger) -> dict[str, RequestOutput]:
     """Final outputs of every request that was not aborted."""
-    return {**ledger.finished, **ledger.lost, **ledger.streamed}
+    return {**ledger.finished, **ledger.streamed}
 
 
 def _check_exactly_once(ledger: Ledger, recorder: GroupRecorder) -> None:
@@ -270,9 +265,9 @@ def _check_exactly_once(ledger: Ledger, recorder: GroupRecorder) -> None:
             assert rid in ledger.streamed and not ledger.reports.get(rid), f"stream request {rid} reported by step()"
             continue
         finished_reports = sum(o.finished for o in ledger.reports.get(rid, []))
-        outcomes = [rid in ledger.aborted, finished_reports == 1, rid in ledger.lost]
+        outcomes = [rid in ledger.aborted, finished_reports == 1]
         assert finished_reports <= 1 and sum(outcomes) == 1, (
-            f"request {rid}: aborted={outcomes[0]} finished reports={finished_reports} lost={outcomes[2]}")
+            f"request {rid}: aborted={outcomes[0]} finished reports={finished_reports}")
         if rid in ledger.aborted:
             final = recorder.groups[rid].to_output()
             assert final.finished and "abort" in {c.finish_reason for c in final.outputs}
@@ -354,7 +349,6 @@ def test_soak(model: torch.nn.Module, n_requests: int, request: pytest.FixtureRe
         "finished": len(results),
         "aborted": len(ledger.aborted),
         "streamed": len(ledger.streamed),
-        "finished_inside_stream_unreported": len(ledger.lost),
         "tokens_generated": st.generated_tokens,
         "steps": st.steps,
         "preemptions": st.preemptions,

@@ -114,6 +114,7 @@ class LLM:
         self.sampler = Sampler(_eos_ids(self.model, tokenizer))
         self.max_num_batched_tokens = max_num_batched_tokens
         self._groups: dict[str, Group] = {}
+        self._unreported: dict[str, Group] = {}  # add_request()s that finished inside generate()/stream()
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._counters = {"steps": 0, "computed": 0, "generated": 0, "busy": 0.0}
@@ -129,18 +130,26 @@ class LLM:
         return group.request_id
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now: its blocks are freed, its output ends with finish_reason 'abort'."""
+        """Stop a request now: its blocks are freed, its output ends with finish_reason 'abort'.
+        A request that already finished (its output not yet reported by step()) is left as is."""
+        if request_id in self._unreported:
+            return
         group = self._groups.get(request_id)
         if group is None:
             raise KeyError(f"no running or waiting request with id {request_id!r}")
         self._finish_group(group, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        """Whether step() has more to do or to report."""
+        return self.scheduler.has_work() or bool(self._unreported)
 
     def step(self) -> list[RequestOutput]:
-        """Run one packed forward; returns the outputs of requests that progressed this step."""
-        return [g.to_output() for g in self._step()]
+        """Run one packed forward; returns the outputs of requests that progressed this step, preceded
+        by the final outputs of add_request() requests that finished while a generate()/stream() ran."""
+        touched = self._step()
+        pending = list(self._unreported.values())
+        self._unreported.clear()
+        return [g.to_output() for g in pending] + [g.to_output() for g in touched]
 
     def stats(self) -> EngineStats:
         s = self.kv.stats()
@@ -170,7 +179,7 @@ class LLM:
                 self._enqueue(g)
             try:
                 while not all(g.finished for g in groups):
-                    self._step()
+                    self._step_for(groups)
                     for g in groups:
                         yield from _stream_deltas(g)
             finally:
@@ -190,7 +199,7 @@ class LLM:
         done = 0
         try:
             while not all(g.finished for g in groups):
-                self._step()
+                self._step_for(groups)
                 now = sum(g.finished for g in groups)
                 if bar is not None and now > done:
                     bar.update(now - done)
@@ -203,6 +212,13 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+
+    def _step_for(self, groups: list[Group]) -> None:
+        """A step inside generate()/stream(): other requests that finish are kept for step() to report."""
+        own = {g.request_id for g in groups}
+        for g in self._step():
+            if g.finished and g.request_id not in own:
+                self._unreported[g.request_id] = g
 
     def _make_groups(self, prompts: Prompt | Sequence[Prompt], params: Any, streamed: bool = False) -> list[Group]:
         items = _as_prompt_list(prompts)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ import pytest
 import torch
 from engine_helpers import VOCAB, engine_model, hf_greedy
 from fake_flash_attn import make_fake_fa2
-from model_zoo import left_padded_batch, tiny_model, tiny_tokenizer, torch_threads
+from model_zoo import left_padded_batch, tiny_model, tiny_tokenizer
 from reliability_helpers import HoldHook, assert_pool_clean
 
 import flashpage
@@ -53,6 +52,8 @@ from flashpage import (
 from flashpage.kernels import dispatch, flash_attn_varlen_func, flash_attn_with_kvcache, store_kv
 from flashpage.patches import HFPagedCache, UnsupportedModelError
 from flashpage.testing import compare_greedy
+
+pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
 
 
 @dataclass(frozen=True)
@@ -86,13 +87,6 @@ def _raise_as(case: Case, obj: Any) -> BaseException:
     with pytest.raises(case.exc, match=case.match) as info:
         case.bad(obj)
     return info.value
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    with torch_threads(1), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 @pytest.fixture(autouse=True)

@@ -25,14 +25,13 @@ finishing inside ``generate()`` is reported by the next ``step()``, once.
 from __future__ import annotations
 
 import random
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 from engine_helpers import engine_model, hf_greedy, random_prompts
-from model_zoo import left_padded_batch, torch_threads
+from model_zoo import left_padded_batch
 from reliability_helpers import (
     CallFault,
     FaultHook,
@@ -48,6 +47,8 @@ from flashpage.engine.sampler import Sampler
 from flashpage.patches import HFPagedCache
 from flashpage.testing import compare_greedy
 
+pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
+
 MAX_NEW = 10
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
 # small blocks, a token budget that chunks the longer prompts, fewer seats than requests
@@ -57,13 +58,6 @@ CALL_ONLY = 4  # generate() runs prompts[:4]; prompts[4:] are queued beforehand 
 
 
 # ------------------------------------------------------------------------------------ fixtures
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    with torch_threads(1), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
 @pytest.fixture(scope="module")
 def model() -> Iterator[torch.nn.Module]:
     m = engine_model()

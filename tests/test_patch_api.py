@@ -20,27 +20,16 @@ from typing import Any
 
 import pytest
 import torch
-from model_zoo import left_padded_batch, tiny_model, torch_threads
+from model_zoo import left_padded_batch, tiny_model
 
 import flashpage
 import flashpage.patches.attention as attention
 from flashpage.patches import ATTN_NAME, HFPagedCache, UnsupportedModelError
 from flashpage.patches.patching import patch_state
 
+pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
+
 MAX_NEW = 10
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 @pytest.fixture(scope="module")

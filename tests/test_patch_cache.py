@@ -17,35 +17,23 @@ The block manager's invariants are checked after every generate().
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from model_zoo import left_padded_batch, tiny_model, torch_threads
+from model_zoo import left_padded_batch, tiny_model
 
 import flashpage
 from flashpage import NoFreeBlocksError, PagedKVCache
 from flashpage.patches import HFPagedCache
 
+pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
+
 BS = 4  # small blocks, so block accounting is visible in short sequences
 PROMPT_LENGTHS = [5, 11, 8]
 MAX_NEW = 10
 CACHE_MODELS = ["llama", "falcon"]  # generic interface path, and the dense-view adapter path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,6 @@ from model_zoo import (
     model_from_config,
     tiny_config,
     tiny_model,
-    torch_threads,
 )
 
 import flashpage
@@ -40,6 +39,8 @@ from flashpage.patches import ATTN_NAME
 from flashpage.patches.patching import patch_state
 from flashpage.patches.support_matrix import format_markdown, run_matrix
 from flashpage.testing import GreedyMatch, compare_greedy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPT_LENGTHS = [5, 11, 8]
 MAX_NEW_TOKENS = 16
@@ -102,12 +103,6 @@ def _run_family(name: str) -> FamilyRun:
         flashpage.unpatch(model)
     run.attn_after = model.config._attn_implementation
     return run
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    with torch_threads(1):
-        yield
 
 
 @pytest.fixture(scope="module")

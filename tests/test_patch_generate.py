@@ -17,18 +17,19 @@ patching must leave in place and still get right.
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import pytest
 import torch
-from model_zoo import PAD, left_padded_batch, tiny_model, tiny_tokenizer, torch_threads
+from model_zoo import PAD, left_padded_batch, tiny_model, tiny_tokenizer
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer, TextStreamer
 
 import flashpage
 from flashpage.patches import HFPagedCache
 from flashpage.testing import compare_greedy
+
+pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
 
 T = TypeVar("T")
 
@@ -37,19 +38,6 @@ SLIDING_WINDOW = 8  # the zoo's mistral window
 PROMPT_LENGTHS = [5, 11, 8]
 MAX_NEW = 12
 SEED = 1234
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 @pytest.fixture(scope="module")

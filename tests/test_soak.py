@@ -30,12 +30,13 @@ from typing import Any
 import pytest
 import torch
 from engine_helpers import engine_model, hf_greedy
-from model_zoo import torch_threads
 from reliability_helpers import GroupRecorder, assert_logprobs_close, assert_pool_clean, check_greedy
 
 from flashpage import LLM, RequestOutput, SamplingParams
 from flashpage.patches import unpatch
 from flashpage.testing import compare_greedy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 try:
     from model_zoo import tiny_tokenizer
@@ -90,12 +91,6 @@ class Ledger:
 
 
 # ------------------------------------------------------------------------------------ fixtures
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    with torch_threads(1):
-        yield
-
-
 @pytest.fixture(scope="module")
 def model() -> Iterator[torch.nn.Module]:
     m = engine_model()

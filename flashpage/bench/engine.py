@@ -26,7 +26,6 @@ allocates up front). flashpage and HF CB get the same pool: every request at ful
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from flashpage.bench.models import load_bench_model, random_prompts
+from flashpage.bench.models import left_pad, load_average, load_bench_model, random_prompts
 from flashpage.testing import compare_greedy
 
 HF_BATCH = 16
@@ -75,14 +74,6 @@ def make_workload(name: str, vocab_size: int, quick: bool = False, seed: int = 0
                         f"{n} requests sharing a {prefix_len}-token prefix, then {slo}..{shi} own tokens; "
                         f"outputs uniform in {olo}..{ohi}")
     raise ValueError(f"unknown workload {name!r}: choose 'mixed' or 'shared-prefix'")
-
-
-def _load_average() -> float:
-    """1-minute load average when the run ends (other work on the machine makes timings noisy)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return -1.0
 
 
 def _log(msg: str) -> None:
@@ -181,19 +172,9 @@ class _StepClock:
         return None
 
 
-def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    return ids, mask
-
-
 def _hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int,
                  streamer: _StepClock | None = None) -> Any:
-    ids, mask = _left_pad(prompts, pad_id)
+    ids, mask = left_pad(prompts, pad_id)
     with torch.inference_mode():
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                               eos_token_id=None, pad_token_id=pad_id, return_dict_in_generate=True,
@@ -373,7 +354,7 @@ def run(workload: str = "mixed", model_name: str | None = None, quick: bool = Fa
         "dtype": bm.dtype,
         "device": str(next(model.parameters()).device),
         "threads": torch.get_num_threads(),
-        "load_average_1m": _load_average(),
+        "load_average_1m": load_average(),
         "requests": len(work.prompts),
         "prompt_tokens": sum(len(p) for p in work.prompts),
         "useful_output_tokens": useful,

@@ -14,7 +14,6 @@ token (a difference only at a reference tie is accepted, see :func:`flashpage.te
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from typing import Any
 
 import torch
 
-from flashpage.bench.models import load_bench_model, random_prompts
+from flashpage.bench.models import left_pad, load_average, load_bench_model, random_prompts
 from flashpage.testing import compare_greedy
 
 
@@ -41,26 +40,8 @@ QUICK = GenerateWorkload(batch=4, min_prompt=32, max_prompt=128, cases=(("short"
                          warmup_tokens=4)
 
 
-def _load_average() -> float:
-    """1-minute load average when the run ends (other work on the machine makes timings noisy)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return -1.0
-
-
 def _log(msg: str) -> None:
     print(f"[bench generate] {msg}", file=sys.stderr, flush=True)
-
-
-def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    return ids, mask
 
 
 def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, pad_id: int) -> tuple[Any, float]:
@@ -160,7 +141,7 @@ def run(model_name: str | None = None, quick: bool = False, seed: int = 0) -> di
     lengths = torch.randint(work.min_prompt, work.max_prompt + 1, (work.batch,), generator=gen).tolist()
     prompts = random_prompts(lengths, bm.vocab_size, seed + 2)
     pad_id = model.config.pad_token_id if getattr(model.config, "pad_token_id", None) is not None else 0
-    ids, mask = _left_pad(prompts, pad_id)
+    ids, mask = left_pad(prompts, pad_id)
 
     _log(f"model: {bm.name}, {bm.parameters / 1e6:.1f}M parameters; warm-up ({work.warmup_tokens} tokens each)")
     _generate(model, ids, mask, work.warmup_tokens, pad_id)
@@ -186,7 +167,7 @@ def run(model_name: str | None = None, quick: bool = False, seed: int = 0) -> di
         "dtype": bm.dtype,
         "device": str(next(model.parameters()).device),
         "threads": torch.get_num_threads(),
-        "load_average_1m": _load_average(),
+        "load_average_1m": load_average(),
         "attn_unpatched": model.config._attn_implementation,
         "batch": work.batch,
         "prompt_lengths": lengths,

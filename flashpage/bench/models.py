@@ -16,6 +16,7 @@ tolerance of :func:`flashpage.testing.compare_greedy`, so greedy is decisive.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,3 +88,22 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int, low: int = 3)
     gen = torch.Generator().manual_seed(seed)
     high = max(vocab_size, low + 1)
     return [torch.randint(low, high, (n,), generator=gen).tolist() for n in lengths]
+
+
+def load_average() -> float:
+    """1-minute load average when the run ends (other work on the machine makes timings noisy)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return -1.0
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention_mask), both (B, longest) int64, prompts right-aligned after pad_id."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask

@@ -14,14 +14,16 @@ def load_model(name: str | None, dtype: torch.dtype = torch.float32) -> tuple[An
     """(model, tokenizer) from a path / hub id, or the built-in tiny model when ``name`` is None."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from flashpage.tiny import tiny_model_path
+    from flashpage.tiny import load_tiny_model
 
-    path = str(tiny_model_path()) if name is None else name
-    if name is not None and name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
+    if name is None:
+        model, tokenizer = load_tiny_model(dtype)
+    elif name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
         raise OSError(f"--model {name}: no such directory; give a local checkpoint directory or a hub id "
                       "(omit --model for the built-in tiny model)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
+        tokenizer = AutoTokenizer.from_pretrained(name)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

@@ -1,10 +1,21 @@
-"""Exception types shared by every flashpage layer (no torch, no transformers imports here).
+"""Exception types shared by every flashpage layer (no torch, no transformers imports here),
+and the size-argument check every layer's constructor uses.
 
 Each error says what was wrong, what was expected and what to do about it. The classes also
 derive from the builtin exception a caller would naturally catch (ValueError, KeyError, ...).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+def check_positive_ints(prefix: str, values: Mapping[str, object], allowed: str = "a positive int") -> None:
+    """Raise ``ValueError("{prefix}{name} must be {allowed}, got {value!r}")`` for the first value
+    that is not an int >= 1 (bools do not count as ints). Callers leave out values meaning "default"."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{prefix}{name} must be {allowed}, got {value!r}")
 
 
 class FlashpageError(Exception):

@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flashpage.cache import PagedKVCache, StepPlan, default_block_size
+from flashpage.errors import check_positive_ints
 
 
 @dataclass(frozen=True)
@@ -129,9 +130,9 @@ class HFPagedCache(Cache):
         growable: bool = True,
         dense_view: bool = False,
     ) -> None:
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_cache_len", max_cache_len)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"HFPagedCache: {name} must be a positive int or None (the default), got {value!r}")
+        sizes = {"num_blocks": num_blocks, "block_size": block_size, "max_cache_len": max_cache_len}
+        check_positive_ints("HFPagedCache: ", {k: v for k, v in sizes.items() if v is not None},
+                            "a positive int or None (the default)")
         if num_layers is None:
             if config is None:
                 raise ValueError("HFPagedCache needs the model config (HFPagedCache(model.config)) or num_layers=")

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from flashpage.errors import check_positive_ints
 from flashpage.patches.attention import ATTN_NAME, register
 from flashpage.patches.families import FamilySpec, family_for
 from flashpage.patches.hf_cache import HFPagedCache
@@ -132,10 +133,9 @@ def _check_cache_options(options: dict[str, Any]) -> None:
     if unknown:
         raise TypeError(f"flashpage.patch got unknown cache option(s) {sorted(unknown)}; "
                         f"allowed: {sorted(_OPTION_NAMES)}")
-    for name in ("block_size", "num_blocks", "max_cache_len"):
-        value = options.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"flashpage.patch: cache option {name} must be a positive int or None, got {value!r}")
+    sizes = {name: options.get(name) for name in ("block_size", "num_blocks", "max_cache_len")}
+    check_positive_ints("flashpage.patch: cache option ", {k: v for k, v in sizes.items() if v is not None},
+                        "a positive int or None")
 
 
 def _family_of(model: torch.nn.Module) -> FamilySpec:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from flashpage.bench.models import left_pad, load_average, load_bench_model, random_prompts
+from flashpage.bench.models import left_pad, load_bench_model, random_prompts
 from flashpage.testing import compare_greedy
 
 HF_BATCH = 16
@@ -349,12 +349,7 @@ def run(workload: str = "mixed", model_name: str | None = None, quick: bool = Fa
         "workload": workload,
         "workload_description": work.description,
         "quick": quick,
-        "model": bm.name,
-        "parameters": bm.parameters,
-        "dtype": bm.dtype,
-        "device": str(next(model.parameters()).device),
-        "threads": torch.get_num_threads(),
-        "load_average_1m": load_average(),
+        **bm.run_facts(),
         "requests": len(work.prompts),
         "prompt_tokens": sum(len(p) for p in work.prompts),
         "useful_output_tokens": useful,

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from flashpage.bench.models import left_pad, load_average, load_bench_model, random_prompts
+from flashpage.bench.models import left_pad, load_bench_model, random_prompts
 from flashpage.testing import compare_greedy
 
 
@@ -162,12 +162,7 @@ def run(model_name: str | None = None, quick: bool = False, seed: int = 0) -> di
     return {
         "bench": "generate",
         "quick": quick,
-        "model": bm.name,
-        "parameters": bm.parameters,
-        "dtype": bm.dtype,
-        "device": str(next(model.parameters()).device),
-        "threads": torch.get_num_threads(),
-        "load_average_1m": load_average(),
+        **bm.run_facts(),
         "attn_unpatched": model.config._attn_implementation,
         "batch": work.batch,
         "prompt_lengths": lengths,

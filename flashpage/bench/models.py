@@ -36,6 +36,12 @@ class BenchModel:
     parameters: int
     dtype: str
 
+    def run_facts(self) -> dict[str, Any]:
+        """What every bench report says about the model and the machine it ran on."""
+        return {"model": self.name, "parameters": self.parameters, "dtype": self.dtype,
+                "device": str(next(self.model.parameters()).device), "threads": torch.get_num_threads(),
+                "load_average_1m": load_average()}
+
 
 def bench_config(quick: bool = False):
     """The LlamaConfig of the CPU bench model (4 layers with ``quick``)."""

@@ -22,6 +22,12 @@ def write_plot(bench: str, result: dict[str, Any], path: str) -> None:
     plotters[bench](result, path)
 
 
+def _save(plt, fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _bars(ax, labels: list[str], series: dict[str, list[float]], ylabel: str, title: str, fmt: str = "{:.2f}") -> None:
     n = len(series)
     width = 0.8 / max(n, 1)
@@ -57,9 +63,7 @@ def plot_generate(result: dict[str, Any], path: str) -> None:
            "bound (real tokens -> blocks)": [c[k]["kv_bound_bytes"] / mib for k in cases]},
           "MiB", "KV cache bytes at the end")
     fig.suptitle(f"bench generate: {result['model']}, batch {result['batch']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_engine(result: dict[str, Any], path: str) -> None:
@@ -76,9 +80,7 @@ def plot_engine(result: dict[str, Any], path: str) -> None:
           "milliseconds (lower is better)", "latency", fmt="{:.0f}")
     ax_l.set_yscale("log")
     fig.suptitle(f"bench engine, {result['workload']}: {result['workload_description']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_kernels(result: dict[str, Any], path: str) -> None:
@@ -87,6 +89,4 @@ def plot_kernels(result: dict[str, Any], path: str) -> None:
     _bars(ax, ["paged (flashpage)", "dense SDPA"], {"ms": [result["paged_ms"], result["dense_sdpa_ms"]]},
           "milliseconds per decode step", f"{result['num_seqs']} seqs, lengths {result['min_len']}-{result['max_len']}",
           fmt="{:.1f}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)

@@ -25,6 +25,7 @@ from flashpage.engine.sampler import Sampler
 from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
 from flashpage.engine.sequence import Group, Seq, SeqStatus
 from flashpage.engine.sizing import KVSizing, plan_kv_pool
+from flashpage.errors import check_positive_ints
 from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
 from flashpage.patches.patching import patch_state
 
@@ -80,9 +81,9 @@ class LLM:
                  check_invariants: bool = False) -> None:
         if isinstance(model, (str, os.PathLike)):
             model, tokenizer = _load(model, tokenizer, dtype, device)
-        _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        **{k: v for k, v in (("block_size", block_size), ("num_blocks", num_blocks),
-                                             ("max_model_len", max_model_len)) if v is not None})
+        defaults_allowed = {"block_size": block_size, "num_blocks": num_blocks, "max_model_len": max_model_len}
+        check_positive_ints("LLM: ", {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                                      **{k: v for k, v in defaults_allowed.items() if v is not None}})
         self.model = model.eval()
         self.tokenizer = tokenizer
         was_patched = is_patched(self.model)
@@ -484,12 +485,6 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
         eos = tokenizer.eos_token_id
     ids = eos if isinstance(eos, (list, tuple)) else [eos]
     return [int(t) for t in ids if t is not None]
-
-
-def _check_positive(**values: int) -> None:
-    for name, v in values.items():
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"LLM: {name} must be a positive int, got {v!r}")
 
 
 def _load(path: str | os.PathLike, tokenizer: Any, dtype: torch.dtype | None, device: Any) -> tuple[Any, Any]:

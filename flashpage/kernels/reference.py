@@ -462,19 +462,17 @@ def _plain_decode(
     out = torch.zeros_like(qh)
     if width == 0:
         return out, torch.full(qh.shape[:-1], float("inf"), dtype=qh.dtype, device=dev) if want_lse else None
-    nb = width // page
-    cols = torch.arange(nb, device=dev)[None, :]
-    table = keys.block_table[:, :nb]
-    ids = torch.where(cols * page < seq_k[:, None], table, torch.zeros_like(table)).flatten()
-    kc = _pages(keys.k, ids, "k").view(n, width, hk, d)
-    scores = _buffer("scores", hk * n * rows * width, qh.dtype, dev).view(hk, n, rows, width)
+    ws = _Workspace(keys, n * width, n, rows, qh.dtype)
+    start = torch.zeros_like(seq_k)
+    kc = _gather(keys, ws, 0, n, start, width, seq_k)  # (n, width, Hk, D)
+    scores = ws.scores[: hk * n * rows * width].view(hk, n, rows, width)
     for h in range(hk):
         torch.bmm(qh[h], kc[:, :, h].transpose(1, 2), out=scores[h])
     hidden = torch.arange(width, device=dev)[None, :] >= seq_k[:, None]
     scores.masked_fill_(hidden.view(1, n, 1, width), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1) if want_lse else None
     probs = torch.softmax(scores, dim=-1)
-    vc = _pages(keys.v, ids, "v").view(n, width, hk, d)
+    vc = _gather(keys, ws, 1, n, start, width, seq_k)
     for h in range(hk):
         torch.bmm(probs[h], vc[:, :, h], out=out[h])
     if int(seq_k.min()) == 0:  # no visible key: output 0 and LSE +inf, as the kernel gives
@@ -482,13 +480,6 @@ def _plain_decode(
         if lse is not None:
             lse.masked_fill_((seq_k == 0).view(1, n, 1), float("inf"))
     return out, lse
-
-
-def _pages(pages: torch.Tensor, ids: torch.Tensor, slot: str) -> torch.Tensor:
-    """pages[ids] (len(ids), P, Hk, D), copied into this thread's scratch buffer ``slot``."""
-    shape = (ids.shape[0], *pages.shape[1:])
-    buf = _buffer(slot, shape[0] * pages[0].numel(), pages.dtype, pages.device).view(shape)
-    return torch.index_select(pages, 0, ids, out=buf)
 
 
 def _scaled(qh: torch.Tensor, mask: MaskSpec, acc: torch.dtype) -> torch.Tensor:

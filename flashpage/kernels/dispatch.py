@@ -9,7 +9,6 @@ backend_info() reports. flash-attn is always called with keyword arguments.
 from __future__ import annotations
 
 import importlib
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,16 +16,16 @@ from types import ModuleType
 
 import torch
 
-from flashpage.kernels import reference, validate
+from flashpage.kernels import flash_backends, reference, validate
+from flashpage.kernels.paged import LayerOptions
 from flashpage.kernels.store import store_kv as _store_kv
 
 ENTRY_POINTS = ("flash_attn_with_kvcache", "flash_attn_varlen_func", "store_kv")
 _MODULES = {"fa2": "flash_attn", "fa3": "flash_attn_interface"}
-_LABELS = {"fa2": "flash-attn", "fa3": "flash-attn 3"}
-_FA2_MIN = (2, 5, 7)  # first release with block_table in flash_attn_varlen_func
-_FA2_SOFTCAP = (2, 6, 0)  # softcap and cache_leftpad arguments
+_LABELS = flash_backends.LABELS
 _imports: dict[str, tuple[ModuleType | None, str]] = {}
 _forced: dict[str, ModuleType] = {}
+_choices: dict[_Call, tuple[BackendChoice, ModuleType | None]] = {}  # memo: cleared when backends change
 
 
 @dataclass(frozen=True)
@@ -51,11 +50,6 @@ class _Call:
     leftpad: bool = False
 
 
-def _version(mod: ModuleType) -> tuple[int, ...]:
-    nums = re.findall(r"\d+", str(getattr(mod, "__version__", "0")))[:3]
-    return tuple(int(x) for x in nums) or (0,)
-
-
 def _load(key: str) -> tuple[ModuleType | None, str]:
     """Import flash-attn 2 ("fa2") or 3 ("fa3") once; (module, "") or (None, why not)."""
     if "reference" in _forced:
@@ -72,14 +66,9 @@ def _load(key: str) -> tuple[ModuleType | None, str]:
             mod, why = None, f"{_LABELS[key]} not importable: {exc}"
         except Exception as exc:  # a broken install can raise anything at import time
             mod, why = None, f"{_LABELS[key]} import failed (broken install?): {type(exc).__name__}: {exc}"
-        if mod is not None and key == "fa2" and _version(mod) < _FA2_MIN:
-            mod, why = (
-                None,
-                (
-                    f"flash-attn {getattr(mod, '__version__', '?')} is too old (paged KV needs "
-                    ">= 2.5.7); upgrade flash-attn"
-                ),
-            )
+        old = flash_backends.too_old(key, mod) if mod is not None else None
+        if old:
+            mod, why = None, old
         _imports[key] = (mod, why)
     return _imports[key]
 
@@ -87,6 +76,7 @@ def _load(key: str) -> tuple[ModuleType | None, str]:
 def clear_backend_cache() -> None:
     """Forget import results (testing hook: the next call imports flash-attn again)."""
     _imports.clear()
+    _choices.clear()
 
 
 @contextmanager
@@ -102,60 +92,31 @@ def force_backend(name: str, module: ModuleType | None) -> Iterator[None]:
     saved = dict(_forced)
     _forced.clear()
     _forced[name] = module
+    _choices.clear()
     try:
         yield
     finally:
         _forced.clear()
         _forced.update(saved)
-
-
-def _device_problem(key: str, device: torch.device) -> str | None:
-    if key in _forced:
-        return None
-    if device.type != "cuda":
-        return f"device {device.type} is not CUDA ({_LABELS[key]} runs on CUDA GPUs only)"
-    if not torch.cuda.is_available():
-        return "CUDA is not available in this torch build / machine"
-    major, minor = torch.cuda.get_device_capability(device)
-    if key == "fa3" and major != 9:
-        return f"flash-attn 3 needs a Hopper GPU (sm90), this one is sm{major}{minor}"
-    if major < 8:
-        return f"flash-attn needs an Ampere (sm80) or newer GPU, this one is sm{major}{minor}"
-    return None
-
-
-def _problem(key: str, mod: ModuleType, call: _Call) -> str | None:
-    """Why `call` cannot go to flash-attn `key`, or None if it can."""
-    if call.s_aux:
-        return f"s_aux (attention sinks) is not supported by {_LABELS[key]}"
-    if call.dtype not in validate.FLASH_DTYPES:
-        return f"dtype {str(call.dtype).replace('torch.', '')} not supported by flash-attn (fp16/bf16 only)"
-    problem = _device_problem(key, call.device)
-    if problem:
-        return problem
-    if key == "fa3":
-        if call.alibi:
-            return "ALiBi is not supported by flash-attn 3"
-        return None
-    multiple = 128 if getattr(torch.version, "hip", None) else 256
-    if call.block_size is not None and call.block_size % multiple:
-        return (
-            f"block_size {call.block_size} not supported by flash-attn 2 (needs a multiple of "
-            f"{multiple}); use block_size={multiple} or install flash-attn 3"
-        )
-    if (call.softcap or call.leftpad) and _version(mod) < _FA2_SOFTCAP:
-        return f"flash-attn {getattr(mod, '__version__', '?')} has no softcap/cache_leftpad (needs >= 2.6)"
-    return None
+        _choices.clear()
 
 
 def _choose(call: _Call) -> tuple[BackendChoice, ModuleType | None]:
+    """The backend for ``call`` (memoized: eligibility depends only on the call's properties)."""
+    found = _choices.get(call)
+    if found is None:
+        found = _choices[call] = _decide(call)
+    return found
+
+
+def _decide(call: _Call) -> tuple[BackendChoice, ModuleType | None]:
     reasons = []
     for key in ("fa3", "fa2"):
         mod, why = _load(key)
         if mod is None:
             reasons.append(why)
             continue
-        problem = _problem(key, mod, call)
+        problem = flash_backends.problem(key, mod, call, key in _forced)
         if problem:
             reasons.append(problem)
             continue
@@ -199,10 +160,6 @@ def backend_info(device=None, dtype=None, block_size=None) -> dict[str, BackendC
         dev = torch.device("cuda", torch.cuda.current_device())
     dt = dtype if dtype is not None else (torch.float16 if dev.type == "cuda" else torch.float32)
     return {entry: explain(entry, device=dev, dtype=dt, block_size=block_size) for entry in ENTRY_POINTS}
-
-
-def _as_tuple(result) -> tuple:
-    return result if isinstance(result, (tuple, list)) else (result,)
 
 
 def flash_attn_with_kvcache(
@@ -290,30 +247,13 @@ def flash_attn_with_kvcache(
             s_aux,
             spec,
         )
-    kwargs = dict(
-        q=q,
-        k_cache=k_cache,
-        v_cache=v_cache,
-        k=k,
-        v=v,
-        rotary_cos=rotary_cos,
-        rotary_sin=rotary_sin,
-        cache_seqlens=seqlens,
-        cache_batch_idx=cache_batch_idx,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window,
-        rotary_interleaved=rotary_interleaved,
-        num_splits=num_splits,
+    result = flash_backends.call_kvcache(
+        choice.name, mod, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin, cache_seqlens=seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+        block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap,
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits,
         return_softmax_lse=return_softmax_lse,
     )
-    if choice.name == "fa3":
-        kwargs.update(page_table=block_table, cache_leftpad=cache_leftpad, softcap=softcap)
-    else:
-        kwargs.update(block_table=block_table, alibi_slopes=alibi_slopes)
-        if _version(mod) >= _FA2_SOFTCAP:
-            kwargs.update(cache_leftpad=cache_leftpad, softcap=softcap)
-    result = _as_tuple(mod.flash_attn_with_kvcache(**kwargs))
     return (result[0], result[1]) if return_softmax_lse else result[0]
 
 
@@ -395,63 +335,12 @@ def flash_attn_varlen_func(
             seq_q,
             seq_k,
         )
-    if choice.name == "fa3" and block_table is not None:
-        seqlens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
-        result = _as_tuple(
-            mod.flash_attn_with_kvcache(
-                q=q,
-                k_cache=k,
-                v_cache=v,
-                cache_seqlens=seqlens_k,
-                page_table=block_table,
-                cu_seqlens_q=cu_seqlens_q,
-                max_seqlen_q=max_seqlen_q,
-                softmax_scale=softmax_scale,
-                causal=causal,
-                window_size=window,
-                softcap=softcap,
-                return_softmax_lse=return_attn_probs,
-            )
-        )
-    elif choice.name == "fa3":
-        result = _as_tuple(
-            mod.flash_attn_varlen_func(
-                q=q,
-                k=k,
-                v=v,
-                cu_seqlens_q=cu_seqlens_q,
-                cu_seqlens_k=cu_seqlens_k,
-                max_seqlen_q=max_seqlen_q,
-                max_seqlen_k=max_seqlen_k,
-                softmax_scale=softmax_scale,
-                causal=causal,
-                window_size=window,
-                softcap=softcap,
-                deterministic=deterministic,
-                return_attn_probs=return_attn_probs,
-            )
-        )
-    else:
-        kwargs = dict(
-            q=q,
-            k=k,
-            v=v,
-            cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k,
-            dropout_p=0.0,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=window,
-            alibi_slopes=alibi_slopes,
-            deterministic=deterministic,
-            return_attn_probs=return_attn_probs,
-            block_table=block_table,
-        )
-        if _version(mod) >= _FA2_SOFTCAP:
-            kwargs["softcap"] = softcap
-        result = _as_tuple(mod.flash_attn_varlen_func(**kwargs))
+    result = flash_backends.call_varlen(
+        choice.name, mod, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+        window_size=window, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+        return_attn_probs=return_attn_probs, block_table=block_table,
+    )
     return (result[0], result[1], None) if return_attn_probs else result[0]
 
 
@@ -462,3 +351,66 @@ def store_kv(
     at slot_mapping (T,) (-1 = skip). Never recorded by autograd: the pages are long-lived buffers."""
     with torch.no_grad():
         _store_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+# ------------------------------------------------------------------ the layer path
+@dataclass(frozen=True)
+class LayerKernel:
+    """A flash-attn backend bound for the layer path: calls on inputs a step plan validated."""
+
+    name: str
+    module: ModuleType
+
+    def kvcache(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                seqlens_k: torch.Tensor, opts: LayerOptions) -> torch.Tensor:
+        """flash_attn_with_kvcache on pages that already hold this step's K/V: (B, Sq, H, Dv)."""
+        return flash_backends.call_kvcache(
+            self.name, self.module, q=q, k_cache=k_pages, v_cache=v_pages, k=None, v=None, rotary_cos=None,
+            rotary_sin=None, cache_seqlens=seqlens_k, cache_batch_idx=None, cache_leftpad=None,
+            block_table=block_table, softmax_scale=opts.softmax_scale, causal=opts.causal,
+            window_size=opts.window_size, softcap=opts.softcap, rotary_interleaved=True, alibi_slopes=None,
+            num_splits=0, return_softmax_lse=False,
+        )[0]
+
+
+_layer_kernels: dict[tuple, LayerKernel | None] = {}
+
+
+def layer_kernel(device: torch.device, dtype: torch.dtype, block_size: int, s_aux: bool,
+                 softcap: bool) -> LayerKernel | None:
+    """The flash-attn kernel a layer's paged ``kvcache``-mode attention runs on, or None for the
+    reference (:func:`flashpage.kernels.paged.attend_static`). Memoized: one dict lookup per call."""
+    key = (device, dtype, block_size, s_aux, softcap, len(_choices), tuple(_forced))
+    if key not in _layer_kernels:
+        call = _Call("flash_attn_with_kvcache", device, dtype, block_size, False, s_aux, softcap, False)
+        choice, mod = _choose(call)
+        _layer_kernels[key] = None if mod is None else LayerKernel(choice.name, mod)
+    return _layer_kernels[key]
+
+
+def layer_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, block_table: torch.Tensor,
+                 opts: LayerOptions, s_aux: torch.Tensor | None, query_lens: list[int], key_lens: list[int],
+                 block_size: int) -> torch.Tensor:
+    """Paged ``flash_attn_varlen_func`` on a plan's validated tensors (q (T, H, D) -> (T, H, Dv)).
+
+    ``query_lens`` / ``key_lens`` are the host copies of the lengths, so the reference never
+    reads them back from the device."""
+    call = _Call("flash_attn_varlen_func", q.device, q.dtype, block_size, False, s_aux is not None,
+                 opts.softcap > 0, False)
+    choice, mod = _choose(call)
+    if mod is not None:
+        return flash_backends.call_varlen(
+            choice.name, mod, q=q, k=k_pages, v=v_pages, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=opts.softmax_scale,
+            causal=opts.causal, window_size=opts.window_size, softcap=opts.softcap, alibi_slopes=None,
+            deterministic=False, return_attn_probs=False, block_table=block_table,
+        )[0]
+    spec = validate.VarlenSpec(batch=len(query_lens), total_q=q.shape[0], heads=q.shape[1],
+                               kv_heads=k_pages.shape[2], head_dim=q.shape[2], paged=True, page_size=block_size,
+                               num_blocks=k_pages.shape[0], capacity=block_table.shape[1] * block_size)
+    return reference.flash_attn_varlen_func(
+        q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts.softmax_scale,
+        opts.causal, opts.window_size, opts.softcap, None, False, block_table, s_aux, spec, query_lens, key_lens,
+    )
+

@@ -1,0 +1,129 @@
+"""The layer-path kernels: store and attend on inputs a step plan already validated.
+
+The public ``flash_attn_*`` / ``store_kv`` entry points validate every argument for outside
+callers. A model's layer loop calls these instead, with tensors that one plan built and checked
+once per forward: no validation, no backend choice, no host reads of device data (no
+``.tolist()`` / ``.item()`` / ``bool(tensor)``), no Python loop over sequences. Everything here
+traces under ``torch.compile(fullgraph=True)`` with static shapes, which is also what CUDA graphs
+need.
+
+- :func:`store`: one ``index_copy_`` per tensor into the flattened pages; slot -1 is redirected
+  to a write that changes nothing, so no device data is read.
+- :func:`attend_static`: flash-attn's ``flash_attn_with_kvcache`` semantics (paged, bottom-right
+  causal, sliding window, softcap, attention sinks) as dense masked attention over a fixed number
+  of pages per sequence; SDPA where the math allows, explicit softmax otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """What differs between layers of one forward (flash-attn's keyword arguments).
+
+    Attributes:
+        softmax_scale: None for ``head_dim ** -0.5``.
+        causal: bottom-right causal mask.
+        window_size: (left, right) sliding window, -1 = unbounded.
+        softcap: 0 = off, else ``softcap * tanh(score / softcap)``.
+    """
+
+    softmax_scale: float | None = None
+    causal: bool = True
+    window_size: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+
+
+def store(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          slots: torch.Tensor) -> None:
+    """Write k (N, Hk, D) / v (N, Hk, Dv) into pages (NB, P, Hk, D|Dv) at ``slots`` (N,) int64.
+
+    A slot of -1 (padding, or a token whose K/V the prefix cache already holds) writes nothing:
+    it is sent to slot 0 together with slot 0's current content, unless a real token of this
+    call targets slot 0, in which case it carries that token's value (equal bytes either way, so
+    duplicate indices agree). Pages must be contiguous (one allocation per layer)."""
+    nb, page = k_pages.shape[0], k_pages.shape[1]
+    flat_k = k_pages.view(nb * page, *k_pages.shape[2:])
+    flat_v = v_pages.view(nb * page, *v_pages.shape[2:])
+    keep = slots >= 0
+    target = torch.where(keep, slots, torch.zeros_like(slots))
+    hits_zero = (target == 0) & keep
+    first = torch.argmax(hits_zero.to(torch.int8))  # a real token writing slot 0, if any
+    for flat, new in ((flat_k, k), (flat_v, v)):
+        filler = torch.where(hits_zero[first], new[first], flat[0])
+        values = torch.where(keep[:, None, None], new.to(flat.dtype), filler)
+        flat.index_copy_(0, target, values)
+
+
+def _visible(seqlens_k: torch.Tensor, seqlen_q: int, width: int, causal: bool,
+             window_size: tuple[int, int]) -> torch.Tensor:
+    """(B, 1, Sq, width) bool: key j visible to query row i of sequence b (flash-attn section 3)."""
+    dev = seqlens_k.device
+    sk = seqlens_k.to(torch.int64).view(-1, 1, 1)
+    pos = torch.arange(width, device=dev).view(1, 1, width)
+    diag = torch.arange(seqlen_q, device=dev).view(1, seqlen_q, 1) + sk - seqlen_q  # i + Sk - Sq
+    visible = pos < sk
+    left, right = window_size
+    if causal:
+        right = 0
+    if right >= 0:
+        visible = visible & (pos <= diag + right)
+    if left >= 0:
+        visible = visible & (pos >= diag - left)
+    return visible.unsqueeze(1)
+
+
+def attend_static(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                  seqlens_k: torch.Tensor, opts: LayerOptions, s_aux: torch.Tensor | None = None) -> torch.Tensor:
+    """Paged attention of q (B, Sq, H, D) over ``block_table.shape[1]`` pages per sequence.
+
+    k_pages / v_pages: (NB, P, Hk, D|Dv); block_table: (B, M) int32/int64 (entries past a
+    sequence's length may be anything valid); seqlens_k: (B,) keys visible per sequence, *after*
+    this step's tokens were stored. Sq == 1 ignores ``causal`` as flash-attn does. s_aux: (H,)
+    attention-sink logits or None. A query row with no visible key returns 0.
+    Returns (B, Sq, H, Dv) in q's dtype. Shapes depend only on the inputs' shapes.
+    """
+    b, sq, heads, d = q.shape
+    kv_heads = k_pages.shape[2]
+    width = block_table.shape[1] * k_pages.shape[1]
+    ids = block_table.to(torch.int64)
+    k = k_pages[ids].view(b, width, kv_heads, d).transpose(1, 2)  # (B, Hk, W, D)
+    v = v_pages[ids].view(b, width, kv_heads, v_pages.shape[-1]).transpose(1, 2)
+    causal = opts.causal and sq > 1
+    visible = _visible(seqlens_k, sq, width, causal, opts.window_size)
+    scale = d**-0.5 if opts.softmax_scale is None else float(opts.softmax_scale)
+    qh = q.transpose(1, 2)  # (B, H, Sq, D)
+    if opts.softcap == 0 and s_aux is None:
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=visible, scale=scale,
+                                             enable_gqa=heads != kv_heads)
+    else:
+        out = _explicit_softmax(qh, k, v, visible, scale, opts.softcap, s_aux)
+    out = torch.where(visible.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out.transpose(1, 2).to(q.dtype)
+
+
+def _explicit_softmax(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+                      softcap: float, s_aux: torch.Tensor | None) -> torch.Tensor:
+    """Attention with what SDPA cannot do: softcap and sink logits. qh (B, H, Sq, D); k, v (B, Hk, W, D)."""
+    b, heads, sq, d = qh.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    acc = torch.float64 if qh.dtype == torch.float64 else torch.float32
+    qg = qh.to(acc).reshape(b, kv_heads, group * sq, d)
+    scores = torch.matmul(qg, k.to(acc).transpose(-1, -2)).view(b, heads, sq, -1) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if s_aux is not None:
+        sink = s_aux.to(acc).view(1, heads, 1, 1).expand(b, heads, sq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = probs.nan_to_num(0.0).to(qh.dtype).to(acc)  # P rounded to the input dtype, as the kernel does
+    out = torch.matmul(probs.reshape(b, kv_heads, group * sq, -1), v.to(acc))
+    return out.view(b, heads, sq, -1)

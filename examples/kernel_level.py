@@ -106,12 +106,12 @@ dense_v = [{s: empty for s in seqs} for _ in range(NUM_LAYERS)]
 # %% [markdown]
 # ## 1. Paged prefill: `store_kv` + `flash_attn_varlen_func`
 #
-# `plan_step` allocates blocks for every sequence's new tokens and returns the plan. Per layer:
+# `plan` allocates blocks for every sequence's new tokens and returns the plan. Per layer:
 # scatter the new K/V into the pages at `plan.slot_mapping` (`store_kv`), then attend over the
 # pages with the packed queries (`cu_seqlens_q`) and the sequences' block tables.
 
 # %%
-plan = kv.plan_step(seqs, PROMPT_LENS)
+plan = kv.plan(seqs, PROMPT_LENS)
 print("block table:\n", plan.block_table)
 total = sum(PROMPT_LENS)
 for layer in range(NUM_LAYERS):
@@ -153,7 +153,7 @@ for s in seqs:
 # %%
 def paged_step(num_new):
     """One step adding num_new tokens to every sequence, all layers; checked against dense attention."""
-    plan = kv.plan_step(seqs, [num_new] * len(seqs))
+    plan = kv.plan(seqs, [num_new] * len(seqs))
     assert plan.uniform_query  # same query length everywhere: the (B, Sq, H, D) entry point applies
     cache_seqlens = torch.tensor(plan.context_lens, dtype=torch.int32, device=DEVICE)
     block_table = plan.block_table.to(DEVICE)

@@ -11,13 +11,14 @@ block tables and lengths to hand the kernel. No transformers import here.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from flashpage.blocks import BlockManager, BlockStats
 from flashpage.errors import NoFreeBlocksError
-from flashpage.kernels import backend_info, store_kv
+from flashpage.kernels import backend_info
+from flashpage.plan import DeviceStep, InputLayout, StepPlan, build_plan
 
 DeviceLike = torch.device | str | int | None
 
@@ -39,82 +40,6 @@ def default_block_size(device: DeviceLike = None) -> int:
         return 16
     large = backend_info(device=dev, dtype=torch.float16, block_size=256)["flash_attn_with_kvcache"]
     return 256 if large.name != "reference" else 16
-
-
-@dataclass
-class StepPlan:
-    """Everything the attention of one forward needs, computed once and shared by all layers.
-
-    ``B`` sequences take part; ``T`` real new tokens in packed order (sequence by sequence).
-
-    Attributes:
-        seq_ids: the ``B`` sequences, in batch order.
-        query_lens: new tokens per sequence (``B`` ints; may be 0 for a sequence that only reads).
-        context_lens: tokens each sequence held in the cache before this step.
-        slot_mapping: (T,) int64, page slot (``block * block_size + offset``) of each new token.
-        token_index: (T,) int64 or None; position of each real token in the flattened
-            ``(batch * q_len)`` input layout, None when the input *is* the packed real tokens.
-        block_table: (B, max_blocks) int32, padded with 0.
-        seqlens_k: (B,) int32, tokens visible after the append (``context + query``).
-        cu_seqlens_q / cu_seqlens_k: (B + 1,) int32 prefix sums of query / key lengths.
-        max_seqlen_q / max_seqlen_k: the maxima (Python ints).
-        uniform_query: every sequence has the same query length and the input has no padding, so
-            the ``flash_attn_with_kvcache`` path applies with ``q`` shaped (B, Sq, H, D).
-    """
-
-    seq_ids: list[Hashable]
-    query_lens: list[int]
-    context_lens: list[int]
-    slot_mapping: torch.Tensor
-    token_index: torch.Tensor | None
-    block_table: torch.Tensor
-    seqlens_k: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-    uniform_query: bool
-    _on_device: dict[torch.device, StepPlan] = field(default_factory=dict, repr=False)
-
-    @property
-    def num_tokens(self) -> int:
-        """Real new tokens in this step (T)."""
-        return int(self.slot_mapping.numel())
-
-    @property
-    def is_decode(self) -> bool:
-        """True when every sequence adds exactly one token."""
-        return self.uniform_query and self.max_seqlen_q == 1
-
-    def on(self, device: torch.device) -> StepPlan:
-        """This plan with its tensors on ``device`` (moved once per device, then cached)."""
-        if self.slot_mapping.device == device:
-            return self
-        cached = self._on_device.get(device)
-        if cached is None:
-            cached = _move_plan(self, device)
-            self._on_device[device] = cached
-        return cached
-
-
-def _move_plan(plan: StepPlan, device: torch.device) -> StepPlan:
-    def mv(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device, non_blocking=True)
-
-    return StepPlan(
-        seq_ids=plan.seq_ids,
-        query_lens=plan.query_lens,
-        context_lens=plan.context_lens,
-        slot_mapping=mv(plan.slot_mapping),
-        token_index=mv(plan.token_index),
-        block_table=mv(plan.block_table),
-        seqlens_k=mv(plan.seqlens_k),
-        cu_seqlens_q=mv(plan.cu_seqlens_q),
-        cu_seqlens_k=mv(plan.cu_seqlens_k),
-        max_seqlen_q=plan.max_seqlen_q,
-        max_seqlen_k=plan.max_seqlen_k,
-        uniform_query=plan.uniform_query,
-    )
 
 
 @dataclass
@@ -143,7 +68,7 @@ class PagedKVCache:
         >>> kv = PagedKVCache(2, 2, 8, num_blocks=16, block_size=4, dtype=torch.float32)
         >>> kv.add_sequence("a", [1, 2, 3, 4, 5])
         0
-        >>> plan = kv.plan_step(["a"], [5], [[1, 2, 3, 4, 5]])
+        >>> plan = kv.plan(["a"], [5], [[1, 2, 3, 4, 5]])
         >>> plan.block_table.shape, plan.seqlens_k.tolist()
         (torch.Size([1, 2]), [5])
     """
@@ -317,84 +242,80 @@ class PagedKVCache:
         """Blocks a step adding ``num_new[i]`` tokens to ``seq_ids[i]`` would allocate."""
         return sum(self.blocks.blocks_needed(s, n) for s, n in zip(seq_ids, num_new, strict=True))
 
-    def plan_step(
+    def plan(
         self,
         seq_ids: Sequence[Hashable],
-        num_new: Sequence[int],
+        num_new: Sequence[int] | None = None,
         token_ids: Sequence[Sequence[int] | None] | None = None,
         *,
-        token_index: torch.Tensor | None = None,
-        uniform_query: bool | None = None,
+        new_sequences: bool = False,
+        allocated: bool = False,
+        layout: InputLayout | None = None,
+        table_width: int | None = None,
     ) -> StepPlan:
-        """Allocate slots for this step's new tokens and build the plan every layer reuses.
+        """Allocate this step's slots (unless ``allocated``) and build the plan every layer reuses.
 
-        Either all sequences get their slots or, when the pool is short, ``NoFreeBlocksError``
-        (with ``needed`` and ``free``) is raised and nothing changes.
+        Either every sequence gets its slots or, when the pool is short, ``NoFreeBlocksError``
+        (with ``needed`` and ``free``) is raised and nothing changes. Pending copy-on-write copies
+        run before the plan is returned (so before any layer writes).
 
         Args:
             seq_ids: sequences taking part, in batch order.
-            num_new: new tokens per sequence.
-            token_ids: the new tokens' ids per sequence (for prefix hashing), or None.
-            token_index: (T,) positions of the real tokens in a padded input layout, if any.
-            uniform_query: override the check for the ``flash_attn_with_kvcache`` path.
+            num_new: tokens to compute per sequence (ignored with ``new_sequences``).
+            token_ids: the new tokens' ids per sequence (prefix hashing), or None. With
+                ``new_sequences`` the whole prompt of each sequence (required).
+            new_sequences: register ``seq_ids`` first, each reusing cached full blocks of its prompt
+                (also blocks of the sequences added just before it); only the uncached rest is
+                computed: ``plan.context_lens[i]`` tokens were cached.
+            allocated: the slots were already allocated with ``blocks.append`` (a scheduler that
+                allocates while it schedules); ``num_new`` says how many of each sequence's last
+                tokens this step computes.
+            layout: how the forward's input maps to sequences (padding), see :class:`InputLayout`;
+                None when the input is the computed tokens packed sequence by sequence.
+            table_width: block-table columns at least (static shapes across steps).
         """
-        needed = self.blocks_needed(seq_ids, num_new)
+        if new_sequences:
+            context, counts = self._add_new(seq_ids, token_ids)
+        elif allocated:
+            counts = list(num_new)
+            context = [self.blocks.num_tokens(s) - n for s, n in zip(seq_ids, counts, strict=True)]
+        else:
+            counts = list(num_new)
+            context = self._allocate(seq_ids, counts, token_ids)
+        tables = [self.blocks.block_table(s) for s in seq_ids]
+        self._copy_blocks(self.blocks.pop_copies())
+        plan = build_plan(list(seq_ids), counts, context, tables, self.block_size, layout, table_width)
+        plan.pages = self
+        return plan
+
+    def _allocate(self, seq_ids: Sequence[Hashable], counts: list[int],
+                  token_ids: Sequence[Sequence[int] | None] | None) -> list[int]:
+        needed = self.blocks_needed(seq_ids, counts)
         if needed > self.blocks.num_free_blocks:
             raise NoFreeBlocksError(needed, self.blocks.num_free_blocks, "this step")
         context = [self.blocks.num_tokens(s) for s in seq_ids]
-        slots: list[int] = []
-        for i, (seq, n) in enumerate(zip(seq_ids, num_new, strict=True)):
-            toks = token_ids[i] if token_ids is not None else None
-            slots.extend(self.blocks.append(seq, n, toks))
-        return self.plan_allocated(seq_ids, num_new, context, slots, token_index=token_index,
-                                   uniform_query=uniform_query)
+        for i, (seq, n) in enumerate(zip(seq_ids, counts, strict=True)):
+            self.blocks.append(seq, n, token_ids[i] if token_ids is not None else None)
+        return context
 
-    def plan_allocated(
-        self,
-        seq_ids: Sequence[Hashable],
-        num_new: Sequence[int],
-        context_lens: Sequence[int],
-        slots: Sequence[int],
-        *,
-        token_index: torch.Tensor | None = None,
-        uniform_query: bool | None = None,
-    ) -> StepPlan:
-        """Build the plan for tokens whose slots were already allocated (``blocks.append``).
-
-        Runs the pending copy-on-write block copies first. ``context_lens[i]`` is the length of
-        sequence i before this step; ``slots`` the new tokens' slots in packed order.
-        """
-        tables = [self.blocks.block_table(s) for s in seq_ids]
-        self._copy_blocks(self.blocks.pop_copies())
-        if uniform_query is None:
-            uniform_query = token_index is None and len(set(num_new)) <= 1
-        return _build_plan(list(seq_ids), list(num_new), list(context_lens), list(slots), tables, token_index,
-                           uniform_query)
-
-    def plan_new_sequences(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]]) -> StepPlan:
-        """Add sequences in order, each reusing cached blocks (also those of the sequences added
-        just before it), and plan computing their remaining tokens.
-
-        ``plan.context_lens[i]`` is how many leading tokens of ``token_ids[i]`` were already cached
-        (their K/V is not written again); ``plan.query_lens[i]`` the rest. ``token_index`` is None:
-        set it when the input holds the cached tokens too.
-        """
+    def _add_new(self, seq_ids: Sequence[Hashable],
+                 token_ids: Sequence[Sequence[int] | None] | None) -> tuple[list[int], list[int]]:
+        if token_ids is None or any(t is None for t in token_ids) or len(token_ids) != len(seq_ids):
+            raise ValueError("PagedKVCache.plan(new_sequences=True) needs every sequence's prompt in token_ids")
         taken = [s for s in seq_ids if self.blocks.has_sequence(s)]
         if taken or len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"plan_new_sequences: sequence ids must be new and distinct; got {list(seq_ids)!r} "
+            raise ValueError(f"PagedKVCache.plan: new sequence ids must be new and distinct; got {list(seq_ids)!r} "
                              f"({'already in the cache: ' + repr(taken) if taken else 'repeated ids'})")
         needed = sum(-(-len(t) // self.block_size) for t in token_ids)
         if needed > self.blocks.num_free_blocks:
             raise NoFreeBlocksError(needed, self.blocks.num_free_blocks, "adding these sequences")
-        context: list[int] = []
-        slots: list[int] = []
+        context, counts = [], []
         for seq, toks in zip(seq_ids, token_ids, strict=True):
             cached = self.blocks.add_sequence(seq, list(toks))
-            slots.extend(self.blocks.append(seq, len(toks) - cached, list(toks[cached:])))
+            self.blocks.append(seq, len(toks) - cached, list(toks[cached:]))
             context.append(cached)
-        tables = [self.blocks.block_table(s) for s in seq_ids]
-        num_new = [len(t) - c for t, c in zip(token_ids, context, strict=True)]
-        return _build_plan(list(seq_ids), num_new, context, slots, tables, None, uniform_query=False)
+            counts.append(len(toks) - cached)
+        return context, counts
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Run copy-on-write copies (src -> dst block) in every allocated layer, before any write."""
@@ -410,15 +331,15 @@ class PagedKVCache:
             pages.v.index_copy_(0, d, pages.v.index_select(0, s))
 
     # ------------------------------------------------------------------- writes
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan | DeviceStep) -> None:
         """Store a layer's new K/V into its pages.
 
         Args:
             layer: layer index.
-            k: (N, Hk, D) new keys in the input layout (``N`` = T, or batch * q_len with
-                ``plan.token_index`` picking the real ones).
+            k: (N, Hk, D) new keys, one row per input position of the plan's layout (N = T when
+                the input is the packed computed tokens); rows the plan does not write are skipped.
             v: (N, Hk, Dv) new values, same layout.
-            plan: this step's plan.
+            plan: this step's plan, or its :class:`DeviceStep` on the pages' device.
         """
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"PagedKVCache: layer {layer} does not exist, the cache has {self.num_layers} layers; "
@@ -430,12 +351,12 @@ class PagedKVCache:
                 f"its pages hold {tuple(pages.k.shape[2:])} / {tuple(pages.v.shape[2:])}; was the cache built for "
                 "(or filled by) a model of another geometry? Use one cache per model"
             )
-        dplan = plan.on(pages.k.device)
-        if dplan.token_index is not None:
-            k = k.index_select(0, dplan.token_index)
-            v = v.index_select(0, dplan.token_index)
+        step = plan.to(pages.k.device) if isinstance(plan, StepPlan) else plan
+        if k.shape[0] != step.input_slots.shape[0]:
+            raise ValueError(f"PagedKVCache.write: got {k.shape[0]} K/V rows but the plan's input has "
+                             f"{step.input_slots.shape[0]} positions")
         if k.shape[0]:
-            store_kv(pages.k, pages.v, k.to(pages.k.dtype), v.to(pages.v.dtype), dplan.slot_mapping)
+            step.write(pages.k, pages.v, k, v)
 
     def gather(self, layer: int, seq_ids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Read sequences' stored K/V back as padded dense tensors.
@@ -459,35 +380,4 @@ class PagedKVCache:
         return k * valid[..., None, None], v * valid[..., None, None], lengths
 
 
-def _build_plan(
-    seq_ids: list[Hashable],
-    num_new: list[int],
-    context: list[int],
-    slots: list[int],
-    tables: list[list[int]],
-    token_index: torch.Tensor | None,
-    uniform_query: bool,
-) -> StepPlan:
-    b = len(seq_ids)
-    width = max((len(t) for t in tables), default=0)
-    block_table = torch.zeros((b, max(width, 1)), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        if t:
-            block_table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    q = torch.tensor(num_new, dtype=torch.int32)
-    seqlens_k = torch.tensor(context, dtype=torch.int32) + q
-    zero = torch.zeros(1, dtype=torch.int32)
-    return StepPlan(
-        seq_ids=seq_ids,
-        query_lens=num_new,
-        context_lens=context,
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        token_index=token_index,
-        block_table=block_table,
-        seqlens_k=seqlens_k,
-        cu_seqlens_q=torch.cat([zero, q.cumsum(0, dtype=torch.int32)]),
-        cu_seqlens_k=torch.cat([zero, seqlens_k.cumsum(0, dtype=torch.int32)]),
-        max_seqlen_q=max(num_new, default=0),
-        max_seqlen_k=int(seqlens_k.max()) if b else 0,
-        uniform_query=uniform_query,
-    )
+__all__ = ["DeviceStep", "InputLayout", "PagedKVCache", "StepPlan", "default_block_size"]

@@ -33,21 +33,19 @@ from flashpage.kernels.paged import LayerOptions
 
 @dataclass(frozen=True)
 class InputLayout:
-    """How the forward's input tokens map to sequences.
+    """How the forward's input tokens map to sequences: ``rows`` x ``length`` positions, flattened
+    row-major, row ``b`` holding sequence ``b``.
 
     Attributes:
-        rows / length: the input is (rows, length) tokens, flattened row-major (N = rows * length).
-        computed: (N,) bool host tensor: positions whose K/V this step writes and whose queries
-            attend normally; None when every input position is a computed token in sequence order.
-        visible: (N,) int host tensor: for every input position, how many of its sequence's
-            stored keys its query may see (only needed for masked positions that still attend:
-            right padding); None when no such position exists.
+        real: (rows, length) bool host tensor, True where a row holds a real token of its sequence
+            (False: padding), or None when every position is real. A row's real tokens are the last
+            ones of its sequence: the step computes the last ``query_lens[b]`` of them, and the
+            leading ones it does not compute are already cached (prefix hits).
     """
 
     rows: int
     length: int
-    computed: torch.Tensor | None = None
-    visible: torch.Tensor | None = None
+    real: torch.Tensor | None = None
 
 
 @dataclass
@@ -89,6 +87,8 @@ class StepPlan:
     max_seqlen_k: int
     uniform_query: bool
     key_lens: list[int]
+    all_written: bool = True  # every input position gets a slot (no -1)
+    empty_rows: bool = False  # kvcache mode: some query row sees no key (left padding)
     pad_rows: torch.Tensor | None = None  # (R,) input positions of right-pad queries that attend
     pad_seqs: torch.Tensor | None = None  # (R,) their sequence index
     pad_visible: torch.Tensor | None = None  # (R,) keys each of them sees
@@ -138,33 +138,55 @@ class DeviceStep:
     pad_seqs: torch.Tensor | None
     pad_visible: torch.Tensor | None
     read_blocks: int
+    all_written: bool  # no input position is skipped (no -1 slot)
+    empty_rows: bool  # some query row may see no key (left padding, empty sequences)
     _masks: dict = field(default_factory=dict, repr=False)
 
     def write(self, k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k (N, Hk, D) / v (N, Hk, Dv), one row per input position, into the pages."""
-        paged.store(k_pages, v_pages, k, v, self.input_slots)
+        paged.store(k_pages, v_pages, k, v, self.input_slots, self.all_written)
 
-    def attend(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
+    def attend(self, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
                s_aux: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of q (N, H, D), one row per input position, over the pages: (N, H, Dv)."""
-        plan = self.plan
-        if plan.mode == "kvcache":
-            b = self.block_table.shape[0]
-            q4 = q.view(b, q.shape[0] // b, *q.shape[1:])
-            out = self._kvcache(q4, k_pages, v_pages, opts, s_aux)
-            return out.reshape(q.shape[0], q.shape[1], -1)
-        return self._varlen(q, k_pages, v_pages, opts, s_aux)
+        """Attention of a layer's queries over the pages.
 
-    def _kvcache(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
+        query: (R, H, L, D) in transformers' layout with R * L input positions (R rows of L, as
+        the plan's layout says). Returns (R, L, H, Dv) contiguous.
+        """
+        rows, heads, length, _ = query.shape
+        if self.plan.mode != "kvcache":
+            flat = query.transpose(1, 2).reshape(rows * length, heads, -1)
+            return self._varlen(flat, k_pages, v_pages, opts, s_aux).view(rows, length, heads, -1)
+        n = self.block_table.shape[0]
+        if rows == n:
+            qh = query
+        else:  # packed engine step (1, T): n sequences of T / n tokens each
+            qh = query.reshape(heads, n, rows * length // n, -1).transpose(0, 1)
+        out = self._kvcache(qh, k_pages, v_pages, opts, s_aux)  # (n, H, Sq, Dv)
+        return out.transpose(1, 2).reshape(rows, length, heads, -1)
+
+    def _kvcache(self, qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
                  s_aux: torch.Tensor | None) -> torch.Tensor:
-        compiling = torch.compiler.is_compiling()
-        table = self.block_table if compiling else self.block_table[:, : self.read_blocks]
-        if not compiling:
-            kernel = dispatch.layer_kernel(q.device, q.dtype, self.plan.block_size, s_aux is not None,
-                                           opts.softcap > 0)
-            if kernel is not None:
-                return kernel.kvcache(q, k_pages, v_pages, table, self.seqlens_k, opts)
-        return paged.attend_static(q, k_pages, v_pages, table, self.seqlens_k, opts, s_aux)
+        if torch.compiler.is_compiling():  # every column: shapes never depend on lengths
+            return paged.attend_static(qh, k_pages, v_pages, self.block_table, self.seqlens_k, opts, s_aux,
+                                       empty_rows=self.empty_rows)
+        table = self.block_table[:, : self.read_blocks]
+        kernel = dispatch.layer_kernel(qh.device, qh.dtype, self.plan.block_size, s_aux is not None,
+                                       opts.softcap > 0)
+        if kernel is not None:
+            return kernel.kvcache(qh.transpose(1, 2), k_pages, v_pages, table, self.seqlens_k, opts).transpose(1, 2)
+        return paged.attend_static(qh, k_pages, v_pages, table, self.seqlens_k, opts, s_aux,
+                                   self._mask(qh.shape[2], k_pages.shape[1], opts), self.empty_rows)
+
+    def _mask(self, seqlen_q: int, page: int, opts: LayerOptions) -> torch.Tensor:
+        """The visible-key mask for these options (eager: built once per step, shared by layers)."""
+        causal = opts.causal and seqlen_q > 1
+        key = (seqlen_q, causal, opts.window_size)
+        mask = self._masks.get(key)
+        if mask is None:
+            width = self.read_blocks * page
+            mask = self._masks[key] = paged.visible_keys(self.seqlens_k, seqlen_q, width, causal, opts.window_size)
+        return mask
 
     def _varlen(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
                 s_aux: torch.Tensor | None) -> torch.Tensor:
@@ -181,11 +203,11 @@ class DeviceStep:
         else:
             full.copy_(out)
         if self.pad_rows is not None:  # right padding: a masked query sees every real key before it
-            pq = q.index_select(0, self.pad_rows).unsqueeze(1)
+            pq = q.index_select(0, self.pad_rows).unsqueeze(2)  # (R, H, 1, D)
             table = self.block_table.index_select(0, self.pad_seqs)
-            decode = LayerOptions(opts.softmax_scale, False, opts.window_size, opts.softcap)
-            pad_out = paged.attend_static(pq, k_pages, v_pages, table, self.pad_visible, decode, s_aux)
-            full.index_copy_(0, self.pad_rows, pad_out.squeeze(1))
+            single = LayerOptions(opts.softmax_scale, False, opts.window_size, opts.softcap)
+            pad_out = paged.attend_static(pq, k_pages, v_pages, table, self.pad_visible, single, s_aux)
+            full.index_copy_(0, self.pad_rows, pad_out.squeeze(2))
         return full
 
 
@@ -220,6 +242,8 @@ def _move(plan: StepPlan, device: torch.device) -> DeviceStep:
         pad_seqs=pad_seqs,
         pad_visible=pad_visible,
         read_blocks=max(1, -(-plan.max_seqlen_k // plan.block_size)),
+        all_written=plan.all_written,
+        empty_rows=plan.empty_rows,
     )
 
 
@@ -250,35 +274,44 @@ def build_plan(seq_ids: list[Hashable], query_lens: list[int], context_lens: lis
         max_seqlen_q=max(query_lens, default=0), max_seqlen_k=max(key_lens, default=0),
         uniform_query=len(set(query_lens)) <= 1, key_lens=key_lens,
     )
-    if layout is None or layout.computed is None:
+    if layout is None or (layout.real is None and len(slots) == layout.rows * layout.length):
         plan.mode = "kvcache" if plan.uniform_query and plan.max_seqlen_q > 0 else "varlen"
+        plan.empty_rows = min(key_lens, default=0) < plan.max_seqlen_q
         return plan
+    plan.empty_rows = min(key_lens, default=0) < layout.length
+    if layout.real is None:  # every position real, some of them cached
+        layout = InputLayout(layout.rows, layout.length, torch.ones((layout.rows, layout.length), dtype=torch.bool))
     _apply_layout(plan, layout)
     return plan
 
 
 def _apply_layout(plan: StepPlan, layout: InputLayout) -> None:
     """Padded input: slots per input position, and the mode the layout allows."""
-    computed = layout.computed.reshape(layout.rows, layout.length).to(torch.bool)
-    counts = computed.sum(dim=1).tolist()
-    if layout.rows != len(plan.seq_ids) or counts != plan.query_lens:
-        raise ValueError(f"StepPlan: the input layout computes {counts} tokens per row but the step plans "
-                         f"{plan.query_lens} for {len(plan.seq_ids)} sequences")
+    real = layout.real.reshape(layout.rows, layout.length).to(torch.bool)
+    rank = real.to(torch.int32).cumsum(dim=1)  # real tokens up to and including each position
+    count = rank[:, -1:]
+    query = torch.tensor(plan.query_lens, dtype=torch.int32).view(-1, 1)
+    if layout.rows != len(plan.seq_ids) or bool((count < query).any()):
+        raise ValueError(f"StepPlan: the input holds {count.view(-1).tolist()} real tokens per row but the step "
+                         f"computes {plan.query_lens} for {len(plan.seq_ids)} sequences")
+    computed = real & (rank > count - query)
     flat = computed.reshape(-1)
     index = flat.nonzero().squeeze(1)
     plan.input_slots = torch.full((flat.numel(),), -1, dtype=torch.int64)
     plan.input_slots[index] = plan.slot_mapping
+    plan.all_written = index.numel() == flat.numel()
     plan.uniform_query = bool(flat.all())
     suffix = layout.length < 2 or bool((computed[:, 1:] >= computed[:, :-1]).all())
     if suffix and plan.max_seqlen_q > 0:
-        plan.mode = "kvcache"  # real tokens end each row: bottom-right alignment handles the padding
+        plan.mode = "kvcache"  # computed tokens end each row: bottom-right alignment handles the rest
         return
     plan.mode = "varlen"
     plan.token_index = None if plan.uniform_query else index
-    if layout.visible is not None:
-        attends = ~flat & (layout.visible.reshape(-1) > 0)
-        if bool(attends.any()):
-            rows = attends.nonzero().squeeze(1)
-            plan.pad_rows = rows
-            plan.pad_seqs = rows // layout.length
-            plan.pad_visible = layout.visible.reshape(-1)[rows].to(torch.int64)
+    outside = torch.tensor(plan.context_lens, dtype=torch.int32).view(-1, 1) - (count - query)
+    visible = (outside + rank).reshape(-1)  # stored keys each position's query may see
+    attends = ~flat & (visible > 0)  # masked or cached positions still attend to the keys before them
+    if bool(attends.any()):
+        rows = attends.nonzero().squeeze(1)
+        plan.pad_rows = rows
+        plan.pad_seqs = rows // layout.length
+        plan.pad_visible = visible[rows].to(torch.int64)

@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from flashpage.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
+from flashpage.kernels.paged import LayerOptions
 
 ATTN_NAME = "pagedkv"
 
@@ -47,8 +48,8 @@ def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
-    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
-        return None
+    if attention_mask.shape[1] == kv_length and not torch.compiler.is_compiling() and bool(attention_mask.all()):
+        return None  # (compiled: no data-dependent branch; the attention takes the mask as it is)
     return attention_mask
 
 
@@ -91,28 +92,12 @@ def pagedkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 
 def _paged(cache: Any, layer: int, query: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
-    b, h, lq, d = query.shape
+    """Attention on the pages through the step the cache prepared for this forward (no checks,
+    no backend choice, no host reads: this runs once per layer)."""
+    step = cache.step if cache.step.input_slots.device == query.device else cache.plan.to(query.device)
     kv = cache.kv
-    plan = cache.plan.on(query.device)
-    k_pages, v_pages = kv.k_pages(layer), kv.v_pages(layer)
-    q = query.transpose(1, 2)  # (B, Lq, H, D), last dim contiguous
-    n_seq = len(plan.seq_ids)
-    if plan.uniform_query and plan.token_index is None and n_seq * plan.max_seqlen_q == b * lq:
-        q = q.reshape(n_seq, plan.max_seqlen_q, h, d)
-        out = flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=plan.seqlens_k,
-                                      block_table=plan.block_table, **options)
-        return out.reshape(b, lq, h, -1)
-    flat = q.reshape(b * lq, h, d)
-    if plan.token_index is not None:
-        flat = flat.index_select(0, plan.token_index)
-    out = flash_attn_varlen_func(flat, k_pages, v_pages, cu_seqlens_q=plan.cu_seqlens_q,
-                                 cu_seqlens_k=plan.cu_seqlens_k, max_seqlen_q=plan.max_seqlen_q,
-                                 max_seqlen_k=plan.max_seqlen_k, block_table=plan.block_table, **options)
-    if plan.token_index is None:
-        return out.reshape(b, lq, h, -1)
-    full = out.new_zeros((b * lq, h, out.shape[-1]))
-    full.index_copy_(0, plan.token_index, out)
-    return full.reshape(b, lq, h, -1)
+    opts = LayerOptions(options["softmax_scale"], options["causal"], options["window_size"], options["softcap"])
+    return step.attend(query, kv.k_pages(layer), kv.v_pages(layer), opts, options.get("s_aux"))
 
 
 def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,

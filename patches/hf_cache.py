@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from flashpage.cache import PagedKVCache, StepPlan, default_block_size
+from flashpage.cache import DeviceStep, InputLayout, PagedKVCache, StepPlan, default_block_size
 from flashpage.errors import check_positive_ints
 
 
@@ -152,6 +152,7 @@ class HFPagedCache(Cache):
         self._logical_len = 0
         self._real = torch.zeros((0, 0), dtype=torch.bool)  # (B, logical_len): which positions are stored
         self.plan: StepPlan | None = None
+        self.step: DeviceStep | None = None  # the plan on the input's device (what the layers use)
         self._owns_plan = False
         self._pending = 0  # new tokens of the forward in flight (committed by end_forward)
 
@@ -206,7 +207,8 @@ class HFPagedCache(Cache):
         b, hk, length, d = key_states.shape
         k = key_states.transpose(1, 2).reshape(b * length, hk, d)
         v = value_states.transpose(1, 2).reshape(b * length, hk, value_states.shape[-1])
-        self.kv.write(layer_idx, k, v, self.plan)
+        step = self.step if self.step is not None and self.step.input_slots.device == k.device else self.plan
+        self.kv.write(layer_idx, k, v, step)
         if self.dense_view:
             return self._dense(layer_idx, key_states.dtype)
         return key_states, value_states
@@ -260,8 +262,14 @@ class HFPagedCache(Cache):
         if self.kv is None:
             self._create_pool(batch, length, device)
         new_mask = self._new_token_mask(attention_mask, batch, length)
+        layout = InputLayout(batch, length, None if bool(new_mask.all()) else new_mask)
+        width = -(-self.max_cache_len // self.kv.block_size) if self.max_cache_len else None
         if not self.rows and self.enable_prefix_caching and input_ids is not None:
-            self._plan_shared_prefill(input_ids, new_mask, batch, length)
+            tokens = self._token_lists(input_ids, new_mask)
+            self._ensure_capacity([len(t) for t in tokens], rows=[])
+            self.rows = [self._new_seq() for _ in range(batch)]
+            plan = self.kv.plan(self.rows, token_ids=tokens, new_sequences=True, layout=layout, table_width=width)
+            self._start(plan, new_mask, length, device)
             return
         if not self.rows:
             self._add_rows(batch)
@@ -270,51 +278,33 @@ class HFPagedCache(Cache):
                 f"HFPagedCache holds {len(self.rows)} sequences but this forward has batch size {batch}; "
                 "a cache continues the batch it was filled with (use a new cache, or cache.reset())"
             )
-        counts, token_index = self._real_tokens(new_mask, batch, length)
+        counts = [length] * batch if layout.real is None else new_mask.sum(dim=1).tolist()
         tokens = self._token_lists(input_ids, new_mask) if self.enable_prefix_caching else None
         self._ensure_capacity(counts)
-        plan = self.kv.plan_step(self.rows, counts, tokens, token_index=token_index,
-                                 uniform_query=token_index is None)
-        self._start(plan, new_mask, length)
+        plan = self.kv.plan(self.rows, counts, tokens, layout=layout, table_width=width)
+        self._start(plan, new_mask, length, device)
 
-    def _start(self, plan: StepPlan, new_mask: torch.Tensor, length: int) -> None:
+    def _start(self, plan: StepPlan, new_mask: torch.Tensor, length: int, device: torch.device | None) -> None:
         self.plan = plan
+        self.step = plan.to(device if device is not None else "cpu")
         self._owns_plan = True
         self._pending = length
         self._real = torch.cat([self._real, new_mask], dim=1) if self._real.shape[0] else new_mask
-
-    def _plan_shared_prefill(self, input_ids: torch.Tensor, new_mask: torch.Tensor, batch: int,
-                             length: int) -> None:
-        """First forward with prefix caching: rows with equal leading blocks share their pages.
-
-        A row's cached tokens are neither written again nor attended from (their query rows get 0;
-        only K/V of later tokens and the last token's logits matter, and at least the last token of
-        each row is always computed).
-        """
-        tokens = self._token_lists(input_ids, new_mask)
-        self._ensure_capacity([len(t) for t in tokens], rows=[])
-        self.rows = [self._new_seq() for _ in range(batch)]
-        plan = self.kv.plan_new_sequences(self.rows, tokens)
-        keep = new_mask.clone()
-        for b, cached in enumerate(plan.context_lens):
-            if cached:
-                keep[b, new_mask[b].nonzero().squeeze(1)[:cached]] = False
-        plan.token_index = keep.reshape(-1).nonzero().squeeze(1)
-        self._start(plan, new_mask, length)
 
     @property
     def owns_plan(self) -> bool:
         """The current plan was made by :meth:`begin_forward` (not handed in with :meth:`set_plan`)."""
         return self._owns_plan
 
-    def set_plan(self, plan: StepPlan) -> None:
-        """Use a plan made by the caller (the engine) for the next forward."""
+    def set_plan(self, plan: StepPlan, device: torch.device | str = "cpu") -> None:
+        """Use a plan made by the caller (the engine) for the next forward on ``device``."""
         self.plan = plan
+        self.step = plan.to(device)
         self._owns_plan = False
 
     def end_forward(self, ok: bool = True) -> None:
         """Commit the planned tokens (``ok``) or roll them back (the forward failed)."""
-        plan, self.plan = self.plan, None
+        plan, self.plan, self.step = self.plan, None, None
         if plan is None or not self._owns_plan:
             return
         if ok:
@@ -359,13 +349,6 @@ class HFPagedCache(Cache):
                 "sequences: pass them whole plus the new tokens, or use a new cache (or cache.reset())"
             )
         return attention_mask[:, width - length:].to("cpu", torch.bool)
-
-    @staticmethod
-    def _real_tokens(new_mask: torch.Tensor, batch: int, length: int) -> tuple[list[int], torch.Tensor | None]:
-        if bool(new_mask.all()):
-            return [length] * batch, None
-        counts = new_mask.sum(dim=1).tolist()
-        return counts, new_mask.reshape(-1).nonzero().squeeze(1)
 
     @staticmethod
     def _token_lists(input_ids: torch.Tensor | None, new_mask: torch.Tensor) -> list[list[int]] | None:

@@ -267,7 +267,7 @@ def _cache_setup(_: Any) -> PagedKVCache:
     kv.add_sequence("gone", [9, 9, 9])
     kv.free("gone")
     assert kv.add_sequence("a", [3, 4, 5, 6, 7, 8]) == 0
-    plan = kv.plan_step(["a"], [6], [[3, 4, 5, 6, 7, 8]])
+    plan = kv.plan(["a"], [6], [[3, 4, 5, 6, 7, 8]])
     g = torch.Generator().manual_seed(4)
     for layer in range(2):
         kv.write(layer, torch.randn(6, 2, 8, generator=g), torch.randn(6, 2, 8, generator=g), plan)
@@ -291,7 +291,7 @@ def _cache_still_works(kv: PagedKVCache) -> None:
     """Append to the shared sequence (copy-on-write), write its K/V, read both back, free everything."""
     kv.blocks.check_invariants()
     a_before, _, _ = kv.gather(0, ["a"])
-    plan = kv.plan_step(["a"], [3], [[10, 11, 12]])
+    plan = kv.plan(["a"], [3], [[10, 11, 12]])
     assert kv.blocks.num_tokens("a") == 9 and kv.blocks.num_tokens("b") == 6
     new_k, new_v = torch.ones(3, 2, 8), torch.full((3, 2, 8), 2.0)
     kv.write(0, new_k, new_v, plan)
@@ -331,22 +331,22 @@ CACHE_CASES = [
            lambda kv: kv.blocks.append("a", 2, [5])),
     _cache("out-of-blocks", NoFreeBlocksError, r"out of KV blocks: appending 30 token\(s\) to sequence 'a' needs 8 "
            r"block\(s\) but only 6 are free", lambda kv: kv.blocks.append("a", 30)),
-    _cache("plan-step-out-of-blocks", NoFreeBlocksError, r"this step needs 8 block\(s\) but only 6",
-           lambda kv: kv.plan_step(["a", "b"], [14, 14])),
-    _cache("plan-step-unknown-sequence", UnknownSequenceError, r"sequence 'gone'",
-           lambda kv: kv.plan_step(["a", "gone"], [1, 1])),
-    _cache("plan-step-length-mismatch", ValueError, r"shorter than argument 1|longer than argument 1",
-           lambda kv: kv.plan_step(["a", "b"], [1])),
-    _cache("plan-new-sequences-existing-id", ValueError, r"must be new and distinct.*already in the cache: \['a'\]",
-           lambda kv: kv.plan_new_sequences(["c", "a"], [[1, 2], [3]])),
-    _cache("plan-new-sequences-repeated-id", ValueError, r"must be new and distinct.*repeated ids",
-           lambda kv: kv.plan_new_sequences(["c", "c"], [[1, 2], [3]])),
+    _cache("plan-out-of-blocks", NoFreeBlocksError, r"this step needs 8 block\(s\) but only 6",
+           lambda kv: kv.plan(["a", "b"], [14, 14])),
+    _cache("plan-unknown-sequence", UnknownSequenceError, r"sequence 'gone'",
+           lambda kv: kv.plan(["a", "gone"], [1, 1])),
+    _cache("plan-length-mismatch", ValueError, r"shorter than argument 1|longer than argument 1",
+           lambda kv: kv.plan(["a", "b"], [1])),
+    _cache("plan-new-existing-id", ValueError, r"must be new and distinct.*already in the cache: \['a'\]",
+           lambda kv: kv.plan(["c", "a"], token_ids=[[1, 2], [3]], new_sequences=True)),
+    _cache("plan-new-repeated-id", ValueError, r"must be new and distinct.*repeated ids",
+           lambda kv: kv.plan(["c", "c"], token_ids=[[1, 2], [3]], new_sequences=True)),
     _cache("grow-smaller", ValueError, r"num_blocks must be an int >= 8, got 4", lambda kv: kv.blocks.grow(4)),
     _cache("write-other-heads", ValueError, r"layer 0 got K/V with \(Hk, D\) = \(4, 8\).*pages hold \(2, 8\).*"
            r"another geometry", lambda kv: kv.write(0, torch.zeros(2, 4, 8), torch.zeros(2, 4, 8),
-                                                  kv.plan_allocated(["a"], [2], [6], [6, 7]))),
+                                                  kv.plan(["a"], [2], allocated=True))),
     _cache("write-unknown-layer", ValueError, r"layer 2 does not exist, the cache has 2 layers",
-           lambda kv: kv.write(2, _t(1), _t(1), kv.plan_allocated(["a"], [1], [6], [6]))),
+           lambda kv: kv.write(2, _t(1), _t(1), kv.plan(["a"], [1], allocated=True))),
     _cache("pages-of-unwritten-layer", RuntimeError, r"layer 0 has no pages yet",
            lambda kv: PagedKVCache(1, None, None, num_blocks=2, block_size=BS, dtype=None).k_pages(0)),
     _cache("bad-geometry", ValueError, r"num_kv_heads must be >= 1, got 0",

@@ -320,9 +320,8 @@ class LLM:
         keep = [e - 1 for c, e in zip(chunks, ends, strict=True) if c.emits]
         try:
             self._ensure_patched()
-            plan = self.kv.plan_allocated([c.seq.seq_id for c in chunks], [c.num_tokens for c in chunks],
-                                          [c.start for c in chunks], slots)
-            self._cache.set_plan(plan)
+            plan = self.kv.plan([c.seq.seq_id for c in chunks], [c.num_tokens for c in chunks], allocated=True)
+            self._cache.set_plan(plan, self.device)
             with torch.inference_mode():
                 out = self.model(input_ids=torch.tensor([ids], device=self.device),
                                  position_ids=torch.tensor([pos], device=self.device), use_cache=True,

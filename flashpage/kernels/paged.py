@@ -40,27 +40,34 @@ class LayerOptions:
 
 
 def store(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-          slots: torch.Tensor) -> None:
+          slots: torch.Tensor, all_written: bool = False) -> None:
     """Write k (N, Hk, D) / v (N, Hk, Dv) into pages (NB, P, Hk, D|Dv) at ``slots`` (N,) int64.
 
     A slot of -1 (padding, or a token whose K/V the prefix cache already holds) writes nothing:
     it is sent to slot 0 together with slot 0's current content, unless a real token of this
     call targets slot 0, in which case it carries that token's value (equal bytes either way, so
-    duplicate indices agree). Pages must be contiguous (one allocation per layer)."""
+    duplicate indices agree). ``all_written``: the caller knows no slot is -1 (one plain copy).
+    Pages must be contiguous (one allocation per layer)."""
     nb, page = k_pages.shape[0], k_pages.shape[1]
     flat_k = k_pages.view(nb * page, *k_pages.shape[2:])
     flat_v = v_pages.view(nb * page, *v_pages.shape[2:])
+    if all_written:
+        flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
+        flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
+        return
     keep = slots >= 0
     target = torch.where(keep, slots, torch.zeros_like(slots))
     hits_zero = (target == 0) & keep
-    first = torch.argmax(hits_zero.to(torch.int8))  # a real token writing slot 0, if any
+    first = torch.argmax(hits_zero.to(torch.int8)).view(1)  # a real token writing slot 0, if any
+    zero_hit = hits_zero.index_select(0, first).view(1, 1, 1)
     for flat, new in ((flat_k, k), (flat_v, v)):
-        filler = torch.where(hits_zero[first], new[first], flat[0])
-        values = torch.where(keep[:, None, None], new.to(flat.dtype), filler)
+        new = new.to(flat.dtype)
+        filler = torch.where(zero_hit, new.index_select(0, first), flat[:1])
+        values = torch.where(keep[:, None, None], new, filler)
         flat.index_copy_(0, target, values)
 
 
-def _visible(seqlens_k: torch.Tensor, seqlen_q: int, width: int, causal: bool,
+def visible_keys(seqlens_k: torch.Tensor, seqlen_q: int, width: int, causal: bool,
              window_size: tuple[int, int]) -> torch.Tensor:
     """(B, 1, Sq, width) bool: key j visible to query row i of sequence b (flash-attn section 3)."""
     dev = seqlens_k.device
@@ -78,33 +85,37 @@ def _visible(seqlens_k: torch.Tensor, seqlen_q: int, width: int, causal: bool,
     return visible.unsqueeze(1)
 
 
-def attend_static(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
-                  seqlens_k: torch.Tensor, opts: LayerOptions, s_aux: torch.Tensor | None = None) -> torch.Tensor:
-    """Paged attention of q (B, Sq, H, D) over ``block_table.shape[1]`` pages per sequence.
+def attend_static(qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                  seqlens_k: torch.Tensor, opts: LayerOptions, s_aux: torch.Tensor | None = None,
+                  visible: torch.Tensor | None = None, empty_rows: bool = True) -> torch.Tensor:
+    """Paged attention of qh (B, H, Sq, D) over ``block_table.shape[1]`` pages per sequence.
 
+    flash-attn's ``flash_attn_with_kvcache`` semantics on pages that already hold the step's keys.
     k_pages / v_pages: (NB, P, Hk, D|Dv); block_table: (B, M) int32/int64 (entries past a
-    sequence's length may be anything valid); seqlens_k: (B,) keys visible per sequence, *after*
-    this step's tokens were stored. Sq == 1 ignores ``causal`` as flash-attn does. s_aux: (H,)
-    attention-sink logits or None. A query row with no visible key returns 0.
-    Returns (B, Sq, H, Dv) in q's dtype. Shapes depend only on the inputs' shapes.
+    sequence's length may be any valid block id); seqlens_k: (B,) keys visible per sequence.
+    Sq == 1 ignores ``causal`` as flash-attn does. s_aux: (H,) attention-sink logits or None. A
+    query row with no visible key returns 0. ``visible``: the mask :func:`visible_keys` gives for
+    these arguments, when the caller already has it; ``empty_rows=False``: the caller knows every
+    query row sees a key (skips the fix-up). Returns (B, H, Sq, Dv) in qh's dtype; shapes depend
+    only on the inputs' shapes, never on their values.
     """
-    b, sq, heads, d = q.shape
+    b, heads, sq, d = qh.shape
     kv_heads = k_pages.shape[2]
     width = block_table.shape[1] * k_pages.shape[1]
     ids = block_table.to(torch.int64)
     k = k_pages[ids].view(b, width, kv_heads, d).transpose(1, 2)  # (B, Hk, W, D)
     v = v_pages[ids].view(b, width, kv_heads, v_pages.shape[-1]).transpose(1, 2)
-    causal = opts.causal and sq > 1
-    visible = _visible(seqlens_k, sq, width, causal, opts.window_size)
+    if visible is None:
+        visible = visible_keys(seqlens_k, sq, width, opts.causal and sq > 1, opts.window_size)
     scale = d**-0.5 if opts.softmax_scale is None else float(opts.softmax_scale)
-    qh = q.transpose(1, 2)  # (B, H, Sq, D)
     if opts.softcap == 0 and s_aux is None:
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=visible, scale=scale,
                                              enable_gqa=heads != kv_heads)
     else:
         out = _explicit_softmax(qh, k, v, visible, scale, opts.softcap, s_aux)
-    out = torch.where(visible.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=out.device))
-    return out.transpose(1, 2).to(q.dtype)
+    if empty_rows:
+        out = torch.where(visible.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out.to(qh.dtype)
 
 
 def _explicit_softmax(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,

@@ -4,14 +4,12 @@ Registered as ``ATTN_NAME`` ("pagedkv": the name must not contain "flash", or tr
 would try to import flash-attn). The attention function has two paths:
 
 - paged: the layer's new K/V were written to pages by ``HFPagedCache.update`` for this forward;
-  attention runs on the pages with ``flash_attn_with_kvcache`` (every sequence has the same
-  number of new tokens and no padding) or ``flash_attn_varlen_func(block_table=...)``
-  (padding, or packed engine steps);
-- dense: no paged cache this forward (``use_cache=False``, or a model that expands cached
-  latents): the given K/V are used directly, padding removed via the 2D mask and
-  ``flash_attn_varlen_func``.
-Both go through flashpage's kernels, so they run on flash-attn where it applies and on the
-exact PyTorch reference everywhere else.
+  attention runs on the pages through the step the cache planned once for the forward
+  (``DeviceStep.attend``: flash-attn where eligible, else the exact PyTorch kernels);
+- dense: no paged cache this forward (``use_cache=False``, a cache the caller chose, a model that
+  expands cached latents) or attention weights were asked for: the given K/V with transformers'
+  own mask, computed as transformers' sdpa (or, for softcap, sinks and weights, eager) attention
+  does, so the result is the unpatched model's.
 """
 
 from __future__ import annotations
@@ -19,38 +17,24 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from flashpage.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
 from flashpage.kernels.paged import LayerOptions
 
 ATTN_NAME = "pagedkv"
 
 
-def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-               mask_function: Any = None, attention_mask: torch.Tensor | None = None,
-               device: torch.device | str = "cpu", **kwargs) -> torch.Tensor | None:
-    """Mask function: the 2D padding mask (B, kv_length), or None when nothing is padded.
+def paged_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """Mask function: transformers' own sdpa mask, (B, 1, Lq, Lk) bool or None.
 
-    Keys past the written ones (a static cache is ``kv_length`` wide but holds only
-    ``q_offset + q_length`` tokens) are marked padding so the dense path never reads them.
+    The paged path ignores it (the step plan knows every sequence's keys); the dense path
+    (``use_cache=False``, a cache the caller chose, dense-view families) and attention weights use
+    it exactly as transformers' sdpa / eager attention would, so those agree with the unpatched
+    model. Trace-friendly: ``torch.compile(fullgraph=True)`` goes through it.
     """
-    if attention_mask is not None and attention_mask.dim() != 2:
-        return attention_mask
-    filled = int(q_offset) + q_length
-    narrow = attention_mask is None or attention_mask.shape[1] < kv_length
-    if narrow and kv_length > filled and kv_offset == 0:
-        written = (attention_mask[:, -filled:].to(torch.bool) if attention_mask is not None
-                   else torch.ones((batch_size, filled), dtype=torch.bool, device=device))
-        empty = torch.zeros((batch_size, kv_length - filled), dtype=torch.bool, device=written.device)
-        return torch.cat([written, empty], dim=1)
-    if attention_mask is None:
-        return None
-    attention_mask = attention_mask[:, -kv_length:]
-    if attention_mask.shape[1] == kv_length and not torch.compiler.is_compiling() and bool(attention_mask.all()):
-        return None  # (compiled: no data-dependent branch; the attention takes the mask as it is)
-    return attention_mask
+    return ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"](*args, **kwargs)
 
 
 def _kernel_options(module: torch.nn.Module, scaling: float | None, sliding_window: int | None,
@@ -70,25 +54,31 @@ def pagedkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       sliding_window: int | None = None, softcap: float | None = None,
                       is_causal: bool | None = None, s_aux: torch.Tensor | None = None,
-                      **kwargs) -> tuple[torch.Tensor, None]:
+                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers attention function.
 
     Args:
         query: (B, H, Lq, D) after RoPE. key/value: (B, Hk, Lk, D/Dv) as ``cache.update`` returned
             them (ignored on the paged path).
-        attention_mask: (B, Lk) bool padding mask from :func:`paged_mask`, or None.
+        attention_mask: (B, 1, Lq, Lk) bool from :func:`paged_mask`, or None.
+        output_attentions (in kwargs): also return the attention weights (B, H, Lq, Lk), computed
+            as transformers' eager attention does.
 
     Returns:
-        ``(out, None)`` with out (B, Lq, H, Dv) contiguous.
+        ``(out, weights or None)`` with out (B, Lq, H, Dv) contiguous.
     """
     if dropout and module.training:
         raise ValueError("flashpage's attention is inference-only: dropout must be 0 (call model.eval())")
     options = _kernel_options(module, scaling, sliding_window, softcap, is_causal, s_aux)
     cache = getattr(getattr(module, "_flashpage_state", None), "active_cache", None)
     layer = getattr(module, "layer_idx", None)
-    if cache is not None and cache.plan is not None and not cache.dense_view and layer is not None:
+    paged = cache is not None and cache.plan is not None and not cache.dense_view and layer is not None
+    weights = bool(kwargs.get("output_attentions", False))
+    if paged and not weights:
         return _paged(cache, layer, query, options), None
-    return _dense(query, key, value, attention_mask, options), None
+    if paged:  # attention weights over the whole logical sequence: read the pages back as dense K/V
+        key, value = cache.dense_kv(layer, query.dtype)
+    return _dense(query, key, value, attention_mask, options, weights)
 
 
 def _paged(cache: Any, layer: int, query: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
@@ -100,38 +90,45 @@ def _paged(cache: Any, layer: int, query: torch.Tensor, options: dict[str, Any])
     return step.attend(query, kv.k_pages(layer), kv.v_pages(layer), opts, options.get("s_aux"))
 
 
-def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-           options: dict[str, Any]) -> torch.Tensor:
-    b, h, lq, d = query.shape
-    lk, dv = key.shape[2], value.shape[-1]
-    if dv != d:  # kernels need one head dim (MLA: value dim < key dim): pad, then slice back
-        value = torch.nn.functional.pad(value, (0, d - dv))
-    q = query.transpose(1, 2)
-    k = key.transpose(1, 2)
-    v = value.transpose(1, 2)
-    if attention_mask is None or attention_mask.dim() != 2:
-        seqlens = torch.full((b,), lk, dtype=torch.int32, device=query.device)
-        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, **options)
-        return out[..., :dv].contiguous()
-    key_mask = attention_mask[:, -lk:].to(torch.bool)
-    written = int(key_mask.any(0).nonzero().max()) + 1 if bool(key_mask.any()) else lq
-    if written < lk:  # a static cache: drop its never-written tail so the queries are the last keys again
-        key_mask, k, v, lk = key_mask[:, :written], k[:, :written], v[:, :written], written
-    q_mask = key_mask[:, -lq:]
-    q_index = q_mask.reshape(-1).nonzero().squeeze(1)
-    k_index = key_mask.reshape(-1).nonzero().squeeze(1)
-    zero = torch.zeros(1, dtype=torch.int32, device=query.device)
-    cu_q = torch.cat([zero, q_mask.sum(1).cumsum(0).to(torch.int32)])
-    cu_k = torch.cat([zero, key_mask.sum(1).cumsum(0).to(torch.int32)])
-    out = flash_attn_varlen_func(
-        q.reshape(b * lq, h, d).index_select(0, q_index),
-        k.reshape(b * lk, k.shape[2], d).index_select(0, k_index),
-        v.reshape(b * lk, v.shape[2], d).index_select(0, k_index),
-        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=lq, max_seqlen_k=lk, **options,
-    )
-    full = out.new_zeros((b * lq, h, d))
-    full.index_copy_(0, q_index, out)
-    return full.reshape(b, lq, h, d)[..., :dv].contiguous()
+def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+           options: dict[str, Any], weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention on dense K/V (B, Hk, Lk, D) with transformers' mask (B, 1, Lq, Lk) bool or None
+    (None: causal, bottom-right aligned). SDPA as transformers' sdpa attention calls it; softcap,
+    attention sinks and attention weights as transformers' eager attention computes them."""
+    lq, lk = query.shape[2], key.shape[2]
+    scale = options["softmax_scale"] if options["softmax_scale"] is not None else query.shape[-1] ** -0.5
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask.to(torch.bool)
+    if mask is None and options["causal"] and lq > 1:
+        mask = torch.ones((lq, lk), dtype=torch.bool, device=query.device).tril(lk - lq)[None, None]
+    plain = not options["softcap"] and options.get("s_aux") is None and not weights
+    if plain:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                             enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
+    return _eager(query, key, value, mask, scale, options["softcap"], options.get("s_aux"))
+
+
+def _eager(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float, s_aux: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' eager attention: scores, softcap, additive mask (dtype min), sinks, softmax in fp32."""
+    group = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(group, dim=1) if group > 1 else key
+    v = value.repeat_interleave(group, dim=1) if group > 1 else value
+    scores = torch.matmul(query, k.transpose(2, 3)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    if s_aux is not None:
+        sinks = s_aux.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1).to(scores.dtype)
+        combined = torch.cat([scores, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=torch.float32).to(query.dtype)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs, v)
+    return out.transpose(1, 2).contiguous(), probs
 
 
 def register() -> None:

@@ -210,7 +210,7 @@ class HFPagedCache(Cache):
         step = self.step if self.step is not None and self.step.input_slots.device == k.device else self.plan
         self.kv.write(layer_idx, k, v, step)
         if self.dense_view:
-            return self._dense(layer_idx, key_states.dtype)
+            return self.dense_kv(layer_idx, key_states.dtype)
         return key_states, value_states
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -382,7 +382,7 @@ class HFPagedCache(Cache):
         self.rows = new_rows
         self._real = self._real[torch.as_tensor(rows, dtype=torch.long)]
 
-    def _dense(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def dense_kv(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, Hk, logical_len, D) K/V with stored tokens at their logical positions, zeros at pads."""
         k, v, lengths = self.kv.gather(layer_idx, self.rows)
         b, total = len(self.rows), self._logical_len + self._pending

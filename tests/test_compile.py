@@ -1,0 +1,78 @@
+"""GPU-readiness on CPU: a patched model's forward compiles with ``torch.compile(fullgraph=True)``.
+
+``fullgraph=True`` fails on any graph break, and a graph break is what a data-dependent host read
+(``.tolist()``, ``.item()``, ``bool(tensor)``) in the layer loop would cause; zero recompiles over
+warm decode steps is what CUDA graphs need (static shapes). Outputs must equal eager flashpage and
+unpatched transformers token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation import CompileConfig
+
+import flashpage
+
+NEW_TOKENS = 40  # decode steps per generate(): 39 warm steps after the first
+
+
+@pytest.fixture()
+def model() -> Iterator[torch.nn.Module]:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.compiler.reset()
+    yield LlamaForCausalLM(cfg).eval()
+    torch.compiler.reset()
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, 256, (3, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding: the kvcache path with bottom-right alignment
+    mask[1, :2] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _generate(model: torch.nn.Module, **kw) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.generate(**_batch(), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, **kw)
+
+
+def test_patched_forward_compiles_fullgraph_without_recompiles(model: torch.nn.Module) -> None:
+    reference = _generate(model)
+    flashpage.patch(model)
+    eager = _generate(model)
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    counters.clear()
+    compiled = _generate(model)  # prefill graph + decode graph, then NEW_TOKENS - 2 warm decode steps
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs <= 2, f"expected one prefill and one decode graph, got {graphs}"
+    assert not counters["recompiles"], dict(counters["recompiles"])
+    again = _generate(model)  # a second call with the same shapes reuses both graphs
+    assert counters["stats"]["unique_graphs"] == graphs, "the warm compiled forward recompiled"
+    assert not counters["recompiles"], dict(counters["recompiles"])
+    assert torch.equal(eager, reference)
+    assert torch.equal(compiled, reference)
+    assert torch.equal(again, reference)
+
+
+def test_transformers_compiled_static_cache_generate_on_patched_model(model: torch.nn.Module) -> None:
+    """transformers' own auto-compile path (static cache, CompileConfig(fullgraph=True)) through
+    flashpage's attention and mask functions: what its test_generate_compile_model_forward_fullgraph runs."""
+    config = CompileConfig(fullgraph=True, dynamic=False)
+    config._compile_all_devices = True
+    kw = {"cache_implementation": "static", "compile_config": config}
+    reference = _generate(model, **kw)
+    torch.compiler.reset()
+    flashpage.patch(model)
+    counters.clear()
+    out = _generate(model, **kw)
+    assert hasattr(model, "_compiled_call")
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert torch.equal(out, reference)

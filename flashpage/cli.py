@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = p.add_subparsers(dest="bench", required=True)
     for name, helptext in (("kernels", "paged decode kernel vs dense SDPA"),
                            ("generate", "patched vs unpatched generate()"),
-                           ("engine", "LLM vs HF generate() and HF continuous batching")):
+                           ("engine", "LLM vs HF generate() and HF continuous batching"),
+                           ("hotpath", "per-layer overhead: eager/compiled generate(), LLM(compile=True)")):
         b = bsub.add_parser(name, help=helptext)
         b.add_argument("--json", action="store_true", help="print JSON")
         b.add_argument("--plot", metavar="FILE.png", default=None, help="also write a plot")

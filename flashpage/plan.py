@@ -315,3 +315,30 @@ def _apply_layout(plan: StepPlan, layout: InputLayout) -> None:
         plan.pad_rows = rows
         plan.pad_seqs = rows // layout.length
         plan.pad_visible = visible[rows].to(torch.int64)
+
+
+def pad_decode(plan: StepPlan, rows: int) -> StepPlan:
+    """A one-token-per-sequence kvcache plan padded to ``rows`` sequences with fixed flags.
+
+    Padding rows have slot -1 (nothing written), block-table row 0 and no visible key (output 0).
+    ``all_written`` / ``empty_rows`` are fixed (False / True) whatever the padding, so every step
+    of a bucket traces to the same graph."""
+    n = len(plan.seq_ids)
+    if plan.mode != "kvcache" or plan.max_seqlen_q != 1 or rows < n:
+        raise ValueError(f"pad_decode: needs a decode plan of at most {rows} sequences (got mode {plan.mode}, "
+                         f"{n} sequences, {plan.max_seqlen_q} tokens each)")
+    extra = rows - n
+    table = torch.cat([plan.block_table, plan.block_table.new_zeros((extra, plan.block_table.shape[1]))])
+    seqlens = torch.cat([plan.seqlens_k, plan.seqlens_k.new_zeros(extra)])
+    slots = torch.cat([plan.input_slots, plan.input_slots.new_full((extra,), -1)])
+    zero = torch.zeros(1, dtype=torch.int32)
+    ones = torch.ones(rows, dtype=torch.int32)
+    return StepPlan(
+        seq_ids=plan.seq_ids, query_lens=plan.query_lens, context_lens=plan.context_lens, mode="kvcache",
+        layout=InputLayout(1, rows), block_size=plan.block_size, slot_mapping=plan.slot_mapping,
+        input_slots=slots, token_index=None, block_table=table, seqlens_k=seqlens,
+        cu_seqlens_q=torch.cat([zero, ones.cumsum(0, dtype=torch.int32)]),
+        cu_seqlens_k=torch.cat([zero, seqlens.cumsum(0, dtype=torch.int32)]),
+        max_seqlen_q=1, max_seqlen_k=plan.max_seqlen_k, uniform_query=True, key_lens=plan.key_lens + [0] * extra,
+        all_written=False, empty_rows=True, pages=plan.pages,
+    )

@@ -74,10 +74,17 @@ def pagedkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     layer = getattr(module, "layer_idx", None)
     paged = cache is not None and cache.plan is not None and not cache.dense_view and layer is not None
     weights = bool(kwargs.get("output_attentions", False))
-    if paged and not weights:
+    # a sliding window counts padded positions; pages hold real tokens only: padding inside a sequence
+    # (right padding, masks with holes) needs the logical layout for windowed layers
+    logical = weights or (paged and cache.has_holes and options["window_size"] != (-1, -1))
+    if paged and not logical:
         return _paged(cache, layer, query, options), None
-    if paged:  # attention weights over the whole logical sequence: read the pages back as dense K/V
+    if paged:  # read the pages back as dense K/V at their logical positions (zeros at padding)
         key, value = cache.dense_kv(layer, query.dtype)
+        if weights and sliding_window:  # transformers' sliding layers keep the last window - 1 past keys
+            keep = min(key.shape[2] - query.shape[2], sliding_window - 1) + query.shape[2]
+            key, value = key[:, :, -keep:], value[:, :, -keep:]
+            attention_mask = attention_mask[..., -keep:] if attention_mask is not None else None
     return _dense(query, key, value, attention_mask, options, weights)
 
 

@@ -153,6 +153,7 @@ class HFPagedCache(Cache):
         self._real = torch.zeros((0, 0), dtype=torch.bool)  # (B, logical_len): which positions are stored
         self.plan: StepPlan | None = None
         self.step: DeviceStep | None = None  # the plan on the input's device (what the layers use)
+        self.has_holes = False  # some row has padding after a real token (set per forward)
         self._owns_plan = False
         self._pending = 0  # new tokens of the forward in flight (committed by end_forward)
 
@@ -290,6 +291,8 @@ class HFPagedCache(Cache):
         self._owns_plan = True
         self._pending = length
         self._real = torch.cat([self._real, new_mask], dim=1) if self._real.shape[0] else new_mask
+        started = self._real.to(torch.int8).cummax(dim=1).values.to(torch.bool)
+        self.has_holes = bool((started & ~self._real).any())  # padding after a real token (right padding)
 
     @property
     def owns_plan(self) -> bool:

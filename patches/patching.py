@@ -13,6 +13,7 @@ Patching a HuggingFace causal LM:
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,10 +38,12 @@ class PatchState:
     family: FamilySpec
     cache_options: dict[str, Any]
     previous_attn: str | None
+    root: torch.nn.Module | None = None  # the patched model (its config says which attention is selected)
     hooks: list[Any] = field(default_factory=list)
     active_cache: HFPagedCache | None = None
     planner: torch.nn.Module | None = None  # the hooked module whose forward is in flight
     user_prepare_override: Any = None  # an instance-level _prepare_cache_for_generation we replaced
+    user_set_attn: Any = None  # an instance-level set_attn_implementation we replaced
 
 
 class UnsupportedModelError(TypeError):
@@ -66,7 +69,7 @@ def patch(model: torch.nn.Module, **cache_options: Any) -> torch.nn.Module:
     family = _family_of(model)
     register()
     state = PatchState(family=family, cache_options=dict(cache_options),
-                       previous_attn=getattr(model.config, "_attn_implementation", None))
+                       previous_attn=getattr(model.config, "_attn_implementation", None), root=model)
     if family.set_attention:
         model.set_attn_implementation(ATTN_NAME)
     for module in model.modules():
@@ -76,6 +79,9 @@ def patch(model: torch.nn.Module, **cache_options: Any) -> torch.nn.Module:
         state.hooks.append(module.register_forward_hook(_post_hook(state), with_kwargs=True, always_call=True))
     state.user_prepare_override = vars(model).get("_prepare_cache_for_generation")
     model._prepare_cache_for_generation = MethodType(_prepare_paged_cache, model)
+    if family.set_attention:
+        state.user_set_attn = vars(model).get("set_attn_implementation")
+        model.set_attn_implementation = MethodType(_switch_attention, model)
     setattr(model, _STATE_ATTR, state)
     return model
 
@@ -87,7 +93,11 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         return model
     for handle in state.hooks:
         handle.remove()
-    if state.family.set_attention and state.previous_attn is not None:
+    if "set_attn_implementation" in vars(model):
+        del model.set_attn_implementation
+    if state.user_set_attn is not None:
+        model.set_attn_implementation = state.user_set_attn
+    if state.family.set_attention and state.previous_attn is not None and _attention_switched(model, state) is None:
         model.set_attn_implementation(state.previous_attn)
     for module in model.modules():
         if "_flashpage_state" in vars(module):
@@ -175,10 +185,42 @@ def _bound_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict
         return kwargs
 
 
+_SWITCHED = ("flashpage: the attention implementation of this patched model was switched to {name!r}; "
+             "flashpage unpatched it (its paged cache, hooks and generate() default are removed), so it runs "
+             "as plain transformers now. Call flashpage.patch(model) to route it through flashpage again.")
+
+
+def _attention_switched(model: torch.nn.Module, state: PatchState) -> str | None:
+    """The implementation someone selected instead of flashpage's, or None while flashpage's is selected."""
+    if not state.family.set_attention:
+        return None
+    name = getattr(model.config, "_attn_implementation", None)
+    return None if name == ATTN_NAME else str(name)
+
+
+def _switch_attention(self, attn_implementation: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """Stand-in for ``set_attn_implementation`` on a patched model: selecting another attention
+    unpatches the model cleanly first (with a warning), then selects it."""
+    if attn_implementation != ATTN_NAME:
+        warnings.warn(_SWITCHED.format(name=attn_implementation), UserWarning, stacklevel=2)
+        unpatch(self)
+    return self.set_attn_implementation(attn_implementation, *args, **kwargs)
+
+
 def _pre_hook(state: PatchState):
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         inputs = _bound_arguments(module, args, kwargs)
         cache = next((inputs[k] for k in _CACHE_KWARGS if inputs.get(k) is not None), None)
+        switched = _attention_switched(module, state) if module is state.root else None
+        if switched is not None:
+            if isinstance(cache, HFPagedCache):
+                raise RuntimeError(
+                    f"this model was patched by flashpage, then its attention was switched to {switched!r} "
+                    "(config._attn_implementation), but it was given a flashpage HFPagedCache, which only "
+                    "flashpage's attention can read. Call flashpage.unpatch(model) before switching attention "
+                    "(or flashpage.patch(model) again to use the paged cache).")
+            state.planner, state.active_cache = None, None
+            return
         if state.planner is not None and state.active_cache is not None and module is not state.planner \
                 and cache is state.active_cache:
             # the outer model already planned this forward and handed its cache down. (A state left by an
@@ -210,12 +252,32 @@ def _post_hook(state: PatchState):
     return hook
 
 
+@contextmanager
+def planned_forward(model: torch.nn.Module, cache: HFPagedCache) -> Iterator[None]:
+    """What the outer hooks do around a forward, for a caller that runs ``model.forward`` itself
+    (a compiled forward): the layers see ``cache`` (whose plan the caller set) as the active cache."""
+    state: PatchState = getattr(model, _STATE_ATTR)
+    state.planner, state.active_cache = model, cache
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        state.planner = state.active_cache = None
+        cache.end_forward(ok=ok)
+
+
 # ------------------------------------------------------------------- generate
 def _prepare_paged_cache(self, generation_config, model_kwargs: dict, generation_mode, batch_size: int,
                          max_cache_length: int):
     """Stand-in for ``GenerationMixin._prepare_cache_for_generation``: an HFPagedCache by default."""
     state: PatchState = getattr(self, _STATE_ATTR)
     original = state.user_prepare_override or MethodType(type(self)._prepare_cache_for_generation, self)
+    switched = _attention_switched(self, state)
+    if switched is not None:  # config._attn_implementation was set by hand: unpatch, then behave as transformers
+        warnings.warn(_SWITCHED.format(name=switched), UserWarning, stacklevel=3)
+        unpatch(self)
+        return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
     wants_other = (model_kwargs.get("cache") is not None or generation_config.use_cache is False
                    or generation_config.cache_implementation is not None
                    or not self._supports_default_dynamic_cache())

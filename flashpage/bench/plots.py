@@ -16,7 +16,8 @@ def _pyplot():
 
 def write_plot(bench: str, result: dict[str, Any], path: str) -> None:
     """Write the plot of ``bench``'s result to ``path`` (PNG)."""
-    plotters = {"generate": plot_generate, "engine": plot_engine, "kernels": plot_kernels}
+    plotters = {"generate": plot_generate, "engine": plot_engine, "kernels": plot_kernels,
+                "hotpath": plot_hotpath}
     if bench not in plotters:
         raise ValueError(f"no plot for bench {bench!r}")
     plotters[bench](result, path)
@@ -89,4 +90,19 @@ def plot_kernels(result: dict[str, Any], path: str) -> None:
     _bars(ax, ["paged (flashpage)", "dense SDPA"], {"ms": [result["paged_ms"], result["dense_sdpa_ms"]]},
           "milliseconds per decode step", f"{result['num_seqs']} seqs, lengths {result['min_len']}-{result['max_len']}",
           fmt="{:.1f}")
+    _save(plt, fig, path)
+
+
+def plot_hotpath(result: dict[str, Any], path: str) -> None:
+    """One bar per case: flashpage's time relative to its comparison (lower is better)."""
+    plt = _pyplot()
+    labels, values = [], []
+    for c in result["cases"]:
+        labels.append(c["case"].replace(", ", "\n", 1))
+        values.append(c["ratio"] if "ratio" in c else 1.0 / c["speedup"])
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    _bars(ax, labels, {"flashpage / baseline time": values}, "time ratio (lower is better)",
+          "flashpage bench hotpath (baseline: transformers, or eager LLM for LLM compile)")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.tick_params(axis="x", labelsize=7)
     _save(plt, fig, path)

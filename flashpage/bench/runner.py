@@ -1,4 +1,4 @@
-"""`flashpage bench {kernels,generate,engine}`: run one benchmark, print text or JSON, maybe plot.
+"""`flashpage bench {kernels,generate,engine,hotpath}`: run one benchmark, print text or JSON, maybe plot.
 
 Progress goes to stderr, so ``--json`` output on stdout is one JSON document. The exit code is 0
 when the outputs agree (and, for generate, the paged KV stays within its bound); speed never
@@ -36,8 +36,16 @@ def _engine(args: argparse.Namespace) -> dict[str, Any]:
                       quick=args.quick)
 
 
+def _hotpath(args: argparse.Namespace) -> dict[str, Any]:
+    from flashpage.bench import hotpath
+
+    return hotpath.run(quick=args.quick)
+
+
 def _format(name: str, result: dict[str, Any]) -> str:
-    if name == "kernels":
+    if name == "hotpath":
+        from flashpage.bench.hotpath import format_report
+    elif name == "kernels":
         from flashpage.bench.kernels import format_report
     elif name == "generate":
         from flashpage.bench.generate import format_report
@@ -46,7 +54,7 @@ def _format(name: str, result: dict[str, Any]) -> str:
     return format_report(result)
 
 
-_RUNNERS = {"kernels": _kernels, "generate": _generate, "engine": _engine}
+_RUNNERS = {"kernels": _kernels, "generate": _generate, "engine": _engine, "hotpath": _hotpath}
 
 
 def run_bench(args: argparse.Namespace) -> int:

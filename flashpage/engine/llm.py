@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from flashpage.cache import PagedKVCache, default_block_size
+from flashpage.engine.compiled import CompiledDecode, default_compile
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.sampler import Sampler
@@ -49,6 +50,7 @@ class EngineStats:
     tokens_computed: int
     generated_tokens: int
     busy_seconds: float
+    compiled_steps: int = 0  # decode steps that ran through the compiled forward (LLM(compile=True))
 
     @property
     def output_tokens_per_second(self) -> float:
@@ -71,6 +73,9 @@ class LLM:
         max_model_len: tokens per sequence at most (default: the model's positions).
         dtype / device: for loading from a path.
         check_invariants: verify the block accounting after every step (slow; for tests/debugging).
+        compile: run decode-only steps through ``torch.compile(fullgraph=True)`` padded to batch
+            and block-table buckets (CUDA graphs on CUDA). Default: on for CUDA, off on CPU
+            (see :func:`flashpage.engine.compiled.default_compile`).
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, block_size: int | None = None,
@@ -78,7 +83,7 @@ class LLM:
                  enable_prefix_caching: bool = True, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-                 check_invariants: bool = False) -> None:
+                 check_invariants: bool = False, compile: bool | None = None) -> None:
         if isinstance(model, (str, os.PathLike)):
             model, tokenizer = _load(model, tokenizer, dtype, device)
         defaults_allowed = {"block_size": block_size, "num_blocks": num_blocks, "max_model_len": max_model_len}
@@ -120,6 +125,9 @@ class LLM:
         self._lock = threading.Lock()
         self._counters = {"steps": 0, "computed": 0, "generated": 0, "busy": 0.0}
         self.check_invariants = check_invariants
+        use_compile = default_compile(self.device) if compile is None else bool(compile)
+        self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
+            if use_compile else None
 
     # ------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
@@ -157,7 +165,8 @@ class LLM:
         c = self._counters
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), s.num_blocks, s.in_use,
                            s.free, s.cached, s.block_size, s.hit_rate, self.scheduler.num_preemptions,
-                           c["steps"], c["computed"], c["generated"], c["busy"])
+                           c["steps"], c["computed"], c["generated"], c["busy"],
+                           self._compiled.steps if self._compiled is not None else 0)
 
     # -------------------------------------------------------- batch helpers
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -311,16 +320,22 @@ class LLM:
         chunks = schedule.chunks
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
         for c in chunks:
             ids.extend(c.token_ids)
             pos.extend(range(c.start, c.start + c.num_tokens))
-            slots.extend(c.slots)
         ends = list(itertools.accumulate(c.num_tokens for c in chunks))
         keep = [e - 1 for c, e in zip(chunks, ends, strict=True) if c.emits]
+        compiled = self._compiled
         try:
             self._ensure_patched()
-            plan = self.kv.plan([c.seq.seq_id for c in chunks], [c.num_tokens for c in chunks], allocated=True)
+            seq_ids = [c.seq.seq_id for c in chunks]
+            if compiled is not None and compiled.eligible([c.num_tokens for c in chunks], [c.emits for c in chunks]):
+                with torch.inference_mode():
+                    logits = compiled.forward(compiled.plan(self.kv, seq_ids), ids, pos)
+                for c in chunks:
+                    c.seq.num_computed = c.start + c.num_tokens
+                return logits
+            plan = self.kv.plan(seq_ids, [c.num_tokens for c in chunks], allocated=True)
             self._cache.set_plan(plan, self.device)
             with torch.inference_mode():
                 out = self.model(input_ids=torch.tensor([ids], device=self.device),

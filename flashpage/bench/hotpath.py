@@ -1,0 +1,198 @@
+"""`flashpage bench hotpath`: flashpage's per-layer overhead, where model math is cheap.
+
+A small model on CPU stands in for a GPU: with a 4-layer, hidden-256 Llama every microsecond of
+Python per layer shows, as it would next to fast kernels. All in one process, each figure a
+ratio against transformers on the same model, batch and tokens (best of ``repeats`` runs, each
+system warmed first; compiled systems are timed after their compile):
+
+- eager ``generate()``: patched / unpatched time, batch 1 and 8 with 64 new tokens, batch 8 with
+  768 (goal <= 1.10x, <= 1.0x for the long one);
+- compiled ``generate()``: patched with ``torch.compile(model.forward, fullgraph=True)`` against
+  transformers' compiled static-cache ``generate()`` (goal <= 1.0x);
+- ``LLM(compile=True)`` against eager ``LLM`` on a decode-heavy workload: 32 requests, prompts
+  16-64, 256 new tokens (goal >= 1.5x);
+- single-stream ``LLM`` decode per token against ``generate()`` batch 1 (goal within 1.2x).
+
+Every comparison also checks the tokens agree (greedy, EOS off).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from flashpage.bench.models import LOGIT_SCALE, left_pad, load_average, random_prompts
+
+VOCAB = 8192
+
+
+def _log(msg: str) -> None:
+    print(f"[bench hotpath] {msg}", file=sys.stderr, flush=True)
+
+
+def hotpath_model(seed: int = 0) -> Any:
+    """4 layers, hidden 256, 4 heads (2 KV heads), vocab 8192, float32, embeddings scaled as the bench model's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(LOGIT_SCALE)
+        model.get_output_embeddings().weight.mul_(LOGIT_SCALE)
+    return model.eval()
+
+
+def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
+def _batch(batch: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, 49, (batch,), generator=gen).tolist()
+    ids, mask = left_pad(random_prompts(lengths, VOCAB, seed), 0)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _gen(model: Any, inputs: dict[str, torch.Tensor], new: int, **kw: Any) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.generate(**inputs, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
+
+
+def eager_generate(model: Any, batch: int, new: int, repeats: int) -> dict[str, Any]:
+    """Patched / unpatched eager generate() on one left-padded batch."""
+    import flashpage
+
+    inputs = _batch(batch, seed=batch)
+    flashpage.unpatch(model)
+    _gen(model, inputs, 4)
+    t_hf, ref = _best(lambda: _gen(model, inputs, new), repeats)
+    flashpage.patch(model)
+    _gen(model, inputs, 4)
+    t_fp, out = _best(lambda: _gen(model, inputs, new), repeats)
+    flashpage.unpatch(model)
+    return {"case": f"generate eager, batch {batch}, {new} new", "transformers_s": t_hf, "flashpage_s": t_fp,
+            "ratio": t_fp / t_hf, "goal": "<= 1.0x" if new > 256 else "<= 1.10x",
+            "met": t_fp / t_hf <= (1.0 if new > 256 else 1.10), "agree": bool(torch.equal(out, ref))}
+
+
+def compiled_generate(model: Any, batch: int, new: int, repeats: int) -> dict[str, Any]:
+    """patch + torch.compile(forward, fullgraph=True) against transformers' compiled static cache."""
+    from transformers.generation import CompileConfig
+
+    import flashpage
+
+    inputs = _batch(batch, seed=100 + batch)
+    config = CompileConfig(fullgraph=True, dynamic=False)
+    config._compile_all_devices = True
+    flashpage.unpatch(model)
+    torch.compiler.reset()
+    static = {"cache_implementation": "static", "compile_config": config}
+    _gen(model, inputs, new, **static)  # compiles
+    t_hf, ref = _best(lambda: _gen(model, inputs, new, **static), repeats)
+    torch.compiler.reset()
+    flashpage.patch(model)
+    eager_forward = model.forward
+    model.forward = torch.compile(eager_forward, fullgraph=True)
+    try:
+        _gen(model, inputs, new)  # compiles the prefill and decode graphs
+        t_fp, out = _best(lambda: _gen(model, inputs, new), repeats)
+    finally:
+        model.forward = eager_forward
+        flashpage.unpatch(model)
+        torch.compiler.reset()
+    return {"case": f"generate compiled, batch {batch}, {new} new", "transformers_s": t_hf, "flashpage_s": t_fp,
+            "ratio": t_fp / t_hf, "goal": "<= 1.0x", "met": t_fp / t_hf <= 1.0,
+            "agree": bool(torch.equal(out, ref))}
+
+
+def engine_compile(model: Any, requests: int, new: int, repeats: int) -> dict[str, Any]:
+    """LLM(compile=True) against eager LLM on a decode-heavy workload (throughput ratio)."""
+    from flashpage import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(7)
+    prompts = random_prompts(torch.randint(16, 65, (requests,), generator=gen).tolist(), VOCAB, seed=7)
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    results = {}
+    for compiled in (False, True):
+        llm = LLM(model, max_num_seqs=requests, num_blocks=requests * (-(-(64 + new) // 16) + 1) + 8,
+                  compile=compiled)
+        llm.generate(prompts, params, use_tqdm=False)  # warm (and compile every bucket)
+        seconds, outs = _best(lambda llm=llm: llm.generate(prompts, params, use_tqdm=False), repeats)
+        results[compiled] = (seconds, [o.token_ids for o in outs], llm.stats().compiled_steps)
+    speedup = results[False][0] / results[True][0]
+    return {"case": f"LLM compile, {requests} requests, prompts 16-64, {new} new", "eager_s": results[False][0],
+            "compiled_s": results[True][0], "speedup": speedup, "goal": ">= 1.5x", "met": speedup >= 1.5,
+            "compiled_steps": results[True][2], "agree": results[False][1] == results[True][1]}
+
+
+def single_stream(model: Any, new: int, repeats: int) -> dict[str, Any]:
+    """One request: LLM decode per token against generate() batch 1."""
+    import flashpage
+    from flashpage import LLM, SamplingParams
+
+    prompt = random_prompts([32], VOCAB, seed=3)[0]
+    inputs = {"input_ids": torch.tensor([prompt]), "attention_mask": torch.ones(1, len(prompt), dtype=torch.long)}
+    flashpage.unpatch(model)
+    _gen(model, inputs, 4)
+    t_hf, ref = _best(lambda: _gen(model, inputs, new), repeats)
+    llm = LLM(model, max_num_seqs=1, num_blocks=64, compile=False)
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)
+    t_fp, outs = _best(lambda: llm.generate([prompt], params, use_tqdm=False), repeats)
+    flashpage.unpatch(model)
+    ratio = t_fp / t_hf
+    return {"case": f"single stream, {new} new", "transformers_ms_per_token": 1e3 * t_hf / new,
+            "flashpage_ms_per_token": 1e3 * t_fp / new, "ratio": ratio, "goal": "<= 1.2x", "met": ratio <= 1.2,
+            "agree": outs[0].token_ids == ref[0, len(prompt):].tolist()}
+
+
+def run(quick: bool = False, seed: int = 0) -> dict[str, Any]:
+    """Every case; see the module docstring."""
+    model = hotpath_model(seed)
+    repeats = 2 if quick else 3
+    long_new = 256 if quick else 768
+    cases = []
+    for batch, new in ((1, 64), (8, 64), (8, long_new)):
+        _log(f"eager generate batch {batch}, {new} new")
+        cases.append(eager_generate(model, batch, new, repeats))
+    _log("compiled generate (compiles first)")
+    cases.append(compiled_generate(model, 8, 64, repeats))
+    _log("single-stream LLM")
+    cases.append(single_stream(model, 64 if quick else 128, repeats))
+    _log("LLM(compile=True) vs eager LLM (compiles every bucket first)")
+    cases.append(engine_compile(model, 8 if quick else 32, 64 if quick else 256, 1 if quick else 2))
+    return {"bench": "hotpath", "model": "random Llama, 4 layers, hidden 256", "threads": torch.get_num_threads(),
+            "load_average_1m": load_average(), "cases": cases,
+            "outputs_agree": all(c["agree"] for c in cases)}
+
+
+def format_report(result: dict[str, Any]) -> str:
+    lines = [f"flashpage bench hotpath: {result['model']}, {result['threads']} thread(s), "
+             f"load {result['load_average_1m']}"]
+    for c in result["cases"]:
+        if "ratio" in c and "transformers_s" in c:
+            figures = (f"transformers {c['transformers_s'] * 1e3:8.1f} ms  flashpage {c['flashpage_s'] * 1e3:8.1f} ms"
+                       f"  ratio {c['ratio']:.2f}x")
+        elif "speedup" in c:
+            figures = (f"eager LLM {c['eager_s']:.2f} s  compiled LLM {c['compiled_s']:.2f} s  speedup "
+                       f"{c['speedup']:.2f}x ({c['compiled_steps']} compiled steps)")
+        else:
+            figures = (f"generate {c['transformers_ms_per_token']:.2f} ms/token  LLM "
+                       f"{c['flashpage_ms_per_token']:.2f} ms/token  ratio {c['ratio']:.2f}x")
+        verdict = "met" if c["met"] else "not met"
+        lines.append(f"  {c['case']:<46} {figures}  goal {c['goal']}: {verdict}; tokens agree: {c['agree']}")
+    return "\n".join(lines)

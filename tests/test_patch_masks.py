@@ -1,0 +1,133 @@
+"""What transformers' own test suite does that a new user also does: right padding, arbitrary
+masks, attention weights, and switching the attention implementation of a patched model.
+
+- A prompt whose last position is padding: transformers takes the first next-token logits from
+  that padded position, whose query still attends to the real keys before it; patched logits must
+  equal unpatched ones there too (and for masks with holes), at every step.
+- ``output_attentions=True`` returns the weights transformers' eager attention computes.
+- ``set_attn_implementation`` / ``config._attn_implementation`` on a patched model unpatch it
+  cleanly (warning), or, with a paged cache passed explicitly, raise a clear error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_zoo import tiny_model
+
+import flashpage
+from flashpage.patches import HFPagedCache
+
+pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
+
+MASKS = {
+    "right": [[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1]],
+    "single": [[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 0, 0]],
+    "holes": [[1, 0, 1, 1, 0, 1, 1], [0, 1, 1, 0, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1]],
+}
+FAMILIES = ("llama", "gpt2", "gemma2", "qwen3")
+
+
+def _inputs(mask_rows: list[list[int]]) -> dict[str, torch.Tensor]:
+    mask = torch.tensor(mask_rows)
+    ids = torch.randint(3, 128, mask.shape, generator=torch.Generator().manual_seed(5))
+    return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+def _run(model: torch.nn.Module, inputs: dict[str, torch.Tensor], **kw) -> object:
+    with torch.inference_mode():
+        return model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                              return_dict_in_generate=True, output_logits=True, **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("masks", sorted(MASKS))
+def test_masked_prompts_match_transformers(family: str, masks: str) -> None:
+    model = tiny_model(family)
+    inputs = _inputs(MASKS[masks])
+    ref = _run(model, inputs)
+    with flashpage.patched(model):
+        got = _run(model, inputs)
+    for step, (a, b) in enumerate(zip(ref.logits, got.logits, strict=True)):
+        diff = (a - b).abs().max().item()
+        assert diff < 1e-4, f"{family} {masks}: step {step} logits differ by {diff}"
+    assert torch.equal(ref.sequences, got.sequences)
+
+
+def test_right_padded_query_rows_attend_in_the_plan() -> None:
+    """The plan of a right-padded prefill: varlen mode, and the padded positions attend."""
+    model = tiny_model("llama")
+    flashpage.patch(model)
+    cache = HFPagedCache(model.config)
+    inputs = _inputs(MASKS["right"])
+    with torch.inference_mode():
+        model(**inputs, cache=cache, use_cache=True)
+    assert cache.kv.num_tokens(cache.rows[0]) == 5 and cache.kv.num_tokens(cache.rows[1]) == 3
+
+
+@pytest.mark.parametrize("family", ("llama", "gemma2"))
+def test_output_attentions_equal_eager_weights(family: str) -> None:
+    eager = tiny_model(family)
+    eager.set_attn_implementation("eager")
+    inputs = _inputs([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    ref = _run(eager, inputs, output_attentions=True)
+    model = tiny_model(family)
+    with flashpage.patched(model):
+        got = _run(model, inputs, output_attentions=True)
+    assert len(got.attentions) == len(ref.attentions)
+    for step, (layers_ref, layers_got) in enumerate(zip(ref.attentions, got.attentions, strict=True)):
+        assert len(layers_got) == len(layers_ref) > 0
+        for a, b in zip(layers_ref, layers_got, strict=True):
+            assert b is not None and a.shape == b.shape, f"step {step}: {None if b is None else b.shape}"
+            real_rows = inputs["attention_mask"].bool() if step == 0 else torch.ones(2, 1, dtype=torch.bool)
+            diff = (a - b).abs().amax(dim=(1, 3))[real_rows].max().item()  # padded query rows are junk in both
+            assert diff < 1e-5, f"{family} step {step}: weights differ by {diff}"
+    assert torch.equal(ref.sequences, got.sequences)
+
+
+def test_assisted_decoding_with_attentions() -> None:
+    """transformers' assisted loop reads outputs.attentions[0]: it must work on a patched model."""
+    model, assistant = tiny_model("llama"), tiny_model("llama", seed=1)
+    inputs = _inputs([[1, 1, 1, 1, 1, 1, 1]])
+    ref = _run(model, inputs, assistant_model=assistant)
+    with flashpage.patched(model):
+        got = _run(model, inputs, assistant_model=assistant, output_attentions=True)
+    assert torch.equal(ref.sequences, got.sequences)
+    assert got.attentions and all(a is not None for step in got.attentions for a in step)
+
+
+def test_set_attn_implementation_unpatches_cleanly() -> None:
+    model = tiny_model("llama")
+    inputs = _inputs(MASKS["right"])
+    flashpage.patch(model)
+    with pytest.warns(UserWarning, match="unpatched it"):
+        model.set_attn_implementation("eager")
+    assert not flashpage.is_patched(model) and model.config._attn_implementation == "eager"
+    eager = tiny_model("llama")
+    eager.set_attn_implementation("eager")
+    assert torch.equal(_run(model, inputs).sequences, _run(eager, inputs).sequences)
+    flashpage.patch(model)  # patching again routes it through flashpage
+    assert model.config._attn_implementation == flashpage.patches.ATTN_NAME
+    out = _run(model, inputs)
+    assert isinstance(getattr(out, "cache", None) or out.past_key_values, HFPagedCache)
+
+
+def test_config_attn_implementation_switch_unpatches_at_generate() -> None:
+    model = tiny_model("llama")
+    inputs = _inputs(MASKS["holes"])
+    ref = _run(tiny_model("llama"), inputs)
+    flashpage.patch(model)
+    model.config._attn_implementation = "sdpa"
+    with pytest.warns(UserWarning, match="unpatched it"):
+        got = _run(model, inputs)
+    assert not flashpage.is_patched(model)
+    assert torch.equal(ref.sequences, got.sequences)
+
+
+def test_config_switch_with_explicit_paged_cache_is_refused() -> None:
+    model = tiny_model("llama")
+    flashpage.patch(model)
+    model.config._attn_implementation = "sdpa"
+    with pytest.raises(RuntimeError, match="only flashpage's attention can read"):
+        with torch.inference_mode():
+            model(**_inputs(MASKS["right"]), cache=HFPagedCache(model.config), use_cache=True)

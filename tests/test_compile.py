@@ -76,3 +76,27 @@ def test_transformers_compiled_static_cache_generate_on_patched_model(model: tor
     assert hasattr(model, "_compiled_call")
     assert counters["stats"]["unique_graphs"] >= 1
     assert torch.equal(out, reference)
+
+
+def test_llm_compiled_decode_steps(model: torch.nn.Module) -> None:
+    """LLM(compile=True): decode steps run compiled (fullgraph), one graph per bucket, no recompile
+    when warm, tokens equal to eager LLM and to transformers' generate()."""
+    from flashpage import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 17, 9, 30)]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    with torch.inference_mode():
+        reference = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    eager = [o.token_ids for o in LLM(model, num_blocks=64, compile=False).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model, num_blocks=64, compile=True)
+    counters.clear()
+    first = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    graphs = counters["stats"]["unique_graphs"]
+    assert llm.stats().compiled_steps >= NEW_TOKENS - 2  # every decode step after the prefill
+    assert graphs == len(llm._compiled.shapes) >= 1
+    second = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert counters["stats"]["unique_graphs"] == graphs, "a warm bucket recompiled"
+    assert not counters["recompiles"], dict(counters["recompiles"])
+    assert first == second == eager == reference

@@ -258,8 +258,10 @@ class LLM:
             raise ValueError(f"request id {rid!r} is already in use")
         # a sequence can hold no more tokens than the model's positions, nor than the whole KV pool
         cap = min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
-        return Group(rid, text, ids, params, RequestMetrics(time.perf_counter()), self.tokenizer,
-                     max_total_tokens=cap)
+        group = Group(rid, text, ids, params, RequestMetrics(time.perf_counter()), self.tokenizer,
+                      max_total_tokens=cap)
+        group.new_seq(0, ids)  # everything that can fail happens here, before anything is queued
+        return group
 
     def _next_id(self) -> str:
         """A fresh automatic request id (skipping any a caller chose with request_id=)."""
@@ -269,9 +271,9 @@ class LLM:
         return rid
 
     def _enqueue(self, group: Group) -> None:
-        seq = group.new_seq(0, group.prompt_token_ids)  # may raise: nothing is registered before it
+        """Register a group built (and fully validated) by _make_group; cannot fail half-way."""
         self._groups[group.request_id] = group
-        self.scheduler.add(seq)
+        self.scheduler.add(group.seqs[0])
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

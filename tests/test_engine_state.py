@@ -20,7 +20,7 @@ from engine_helpers import engine_model
 import flashpage
 from flashpage import LLM, SamplingParams
 from flashpage.engine.outputs import RequestMetrics
-from flashpage.engine.sampler import Sampler
+from flashpage.engine.sampler import Sampler, filter_logits, filter_logits_batched
 from flashpage.engine.sequence import SEED_MODULUS, Group, sample_seed
 from flashpage.patches import unpatch
 
@@ -176,6 +176,23 @@ def test_unseeded_rows_are_one_batched_draw(monkeypatch):
     tokens = Sampler([1])(torch.randn(6, 40), seqs)
     assert calls == [(4, 40)]  # the 4 unseeded rows together; greedy and seeded rows apart
     assert len(tokens) == 6
+
+
+def test_batched_filter_equals_the_row_filter():
+    """Each row of filter_logits_batched keeps exactly the tokens filter_logits keeps for it (ties too)."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        rows = torch.randn(5, 30, generator=g) * 3
+        if trial % 3 == 0:
+            rows[:, :4] = rows[:, :1]  # ties at the top
+        ks = torch.randint(-1, 35, (5,), generator=g).tolist()
+        ps = [p if p < 0.9 else 1.0 for p in torch.rand(5, generator=g).tolist()]
+        ms = [m if m < 0.5 else 0.0 for m in (torch.rand(5, generator=g) * 0.6).tolist()]
+        batched = filter_logits_batched(rows, ks, ps, ms)
+        for i in range(5):
+            alone = filter_logits(rows[i], ks[i], ps[i], ms[i])
+            assert torch.equal(torch.isinf(alone), torch.isinf(batched[i])), (trial, i, ks[i], ps[i], ms[i])
+            assert torch.equal(alone[~torch.isinf(alone)], batched[i][~torch.isinf(batched[i])])
 
 
 def test_batched_sampling_distribution():

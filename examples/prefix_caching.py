@@ -23,7 +23,7 @@ DTYPE = "float32"  # "bfloat16" or "float16" on a GPU
 NUM_REQUESTS = 8
 MAX_TOKENS = 24
 BLOCK_SIZE = None  # tokens per KV block; None = flashpage's default for the device (16; 256 with flash-attn 2)
-KV_CACHE_MEMORY = 64 * 2**20  # bytes of KV pages; None = the default (1 GiB on CPU, free memory on a GPU)
+KV_CACHE_MEMORY = 64 * 2**20  # bytes (not GiB) of KV pages; None = default (CPU: sized from the model; GPU: free)
 OUTPUT_DIR = None  # where the picture goes; None = a new temporary folder
 
 # %%
@@ -198,7 +198,7 @@ for ax, (on, run) in zip(axes[:, 0], runs.items(), strict=True):
     )
 fig.tight_layout()
 plot_path = output_dir / "prefix_blocks.png"
-fig.savefig(plot_path, dpi=100)
+fig.savefig(plot_path, dpi=80)  # modest: the notebook embeds it
 plt.close(fig)
 print("picture written to", plot_path)
 print("shared blocks with prefix caching:", sorted(shared_ids[True]))

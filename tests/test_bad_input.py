@@ -704,6 +704,13 @@ ENGINE_CASES = [
          lambda env: LLM(env.model, block_size=0, num_blocks=8)),
     Case("engine-llm-zero-seats", ValueError, r"max_num_seqs must be a positive int, got 0",
          lambda env: LLM(env.model, num_blocks=8, max_num_seqs=0)),
+    Case("engine-kv-cache-memory-in-gib", ValueError, r"kv_cache_memory=4 bytes is less than one KV block .*"
+         r"in bytes: for 4 GiB pass 4 \* 2\*\*30", lambda env: LLM(env.model, kv_cache_memory=4)),
+    Case("engine-llm-path-is-a-file", ValueError, r"config\.json'\): that is a file, not a model.*checkpoint "
+         r"directory", lambda env: LLM(f"{flashpage.tiny_model_path()}/config.json")),
+    Case("engine-seed-beyond-int64-then-bad-prompt", ValueError, r"outside the vocabulary",
+         lambda env: env.llm.generate([PROMPT, [1, 2, 999]], [SamplingParams(seed=2**64 + 1), GREEDY],
+                                      use_tqdm=False)),
 ]
 
 
@@ -742,6 +749,10 @@ def test_accepted_not_errors(engine_env: EngineEnv) -> None:
                                          use_tqdm=False)[0])
     # no prompt at all: nothing to do
     assert llm.generate([], use_tqdm=False) == []
+    # a seed of any size (time.time_ns(), beyond int64): reduced, reproducible, and per request
+    huge = SamplingParams(max_tokens=4, temperature=1.0, seed=2**64 + 3, ignore_eos=True)
+    first, second = (llm.generate([PROMPT], huge, use_tqdm=False)[0].token_ids for _ in range(2))
+    assert first == second and len(first) == 4
     # a request outgrowing the whole KV pool (prompt + max_tokens > 32 blocks x 4 tokens) ends with
     # "length" when the pool is full, and its batch-mates are not failed with it
     long_prompt = [int(t) for t in torch.randint(3, VOCAB, (120,), generator=torch.Generator().manual_seed(9))]

@@ -1,10 +1,12 @@
 """The example notebooks (examples/*.ipynb) and their mirrored scripts (examples/*.py).
 
-- the notebooks are exactly what ``examples/_build_notebooks.py`` generates from the scripts
-  (so the two cannot drift), with outputs cleared and one ``parameters`` cell near the top;
+- the notebooks' cells are exactly what ``examples/_build_notebooks.py`` generates from the
+  scripts (sources, ids and tags: the two cannot drift), with one ``parameters`` cell near the
+  top, and they are saved executed (``--execute``): every code cell ran, without errors, plots
+  are shown inline, and the files stay small;
 - every notebook runs top to bottom with nbclient in a ``python3`` kernel of this interpreter,
   its parameter cell overridden papermill-style (an injected cell right after it);
-- every script runs as a subprocess of ``sys.executable``.
+- every script runs as a subprocess of ``sys.executable``, and so does README's quickstart.
 
 The examples assert what they show (identical tokens, prefix hits, shared blocks, kernels equal
 to dense attention...), so running them successfully is the test. One thread, offline, and
@@ -17,6 +19,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +33,7 @@ NAMES = ("quickstart", "continuous_batching", "prefix_caching", "kernel_level")
 PLOTS = {"continuous_batching": "throughput.png", "prefix_caching": "prefix_blocks.png"}
 CELL_TIMEOUT_S = 300
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+MAX_NOTEBOOK_BYTES = 400 * 1024
 
 
 def _builder() -> ModuleType:
@@ -101,12 +105,21 @@ def test_builder_parses_percent_cells() -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_notebook_is_cleared_with_one_parameter_cell(name: str) -> None:
+def test_notebook_is_executed_with_one_parameter_cell(name: str) -> None:
     nb = _notebook(name)
     assert nb["metadata"]["kernelspec"]["name"] == "python3"
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
-    for cell in code:
-        assert cell["outputs"] == [] and cell["execution_count"] is None, "commit notebooks with outputs cleared"
+    rerun = "run python examples/_build_notebooks.py --execute"
+    counts = [c["execution_count"] for c in code]
+    assert all(isinstance(n, int) for n in counts), f"{name}: saved without outputs: {rerun}"
+    assert counts == sorted(counts) and len(set(counts)) == len(counts), f"{name}: cells ran out of order: {rerun}"
+    outputs = [o for c in code for o in c["outputs"]]
+    assert not [o for o in outputs if o["output_type"] == "error"], f"{name}: saved with an error"
+    assert any(o.get("name") == "stdout" for o in outputs), f"{name}: no printed output saved"
+    if name in PLOTS:
+        assert any("image/png" in o.get("data", {}) for o in outputs), f"{name}: its plot is not shown inline"
+    size = (EXAMPLES_DIR / f"{name}.ipynb").stat().st_size
+    assert size < MAX_NOTEBOOK_BYTES, f"{name}.ipynb is {size // 1024} KiB: keep plots at a modest dpi"
     tagged = [i for i, c in enumerate(nb["cells"]) if "parameters" in c["metadata"].get("tags", [])]
     assert len(tagged) == 1, f"{name}: expected exactly one cell tagged 'parameters', found {len(tagged)}"
     assert tagged[0] <= 2 and nb["cells"][tagged[0]]["cell_type"] == "code"
@@ -115,6 +128,19 @@ def test_notebook_is_cleared_with_one_parameter_cell(name: str) -> None:
     if name != "kernel_level":
         assert "MODEL" in names
     assert any(" assert " in f" {line}" for c in code for line in "".join(c["source"]).splitlines())
+
+
+def test_staleness_compares_sources_not_outputs() -> None:
+    builder = _builder()
+    script = EXAMPLES_DIR / "quickstart.py"
+    built = builder.build_dict(script)
+    executed = _notebook("quickstart")
+    assert builder.cell_sources(executed) == builder.cell_sources(built)  # outputs do not count
+    executed["cells"][-1]["source"] = ["print('edited')"]
+    assert builder.cell_sources(executed) != builder.cell_sources(built)  # a source edit does
+    executed = _notebook("quickstart")
+    executed["cells"][1]["metadata"]["tags"] = []
+    assert builder.cell_sources(executed) != builder.cell_sources(built)  # and so does a lost tag
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -162,6 +188,8 @@ def test_notebook_runs(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert not errors
     if name in PLOTS:
         _png(tmp_path / "out" / PLOTS[name])
+        shown = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
+        assert shown, f"{name}: the plot was written but not displayed in the notebook"
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -185,3 +213,17 @@ def test_script_runs(name: str, tmp_path: Path) -> None:
         found = sorted(tmp_path.glob(f"flashpage-examples-*/{PLOTS[name]}"))
         assert len(found) == 1, found
         _png(found[0])
+
+
+def test_readme_quickstart_runs(tmp_path: Path) -> None:
+    """README's quickstart code block, as written: token-identical, and the pages use less memory."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"## Quickstart\n\n```python\n(.*?)```", readme, re.S)
+    assert block, "README.md has no quickstart python block"
+    script = tmp_path / "readme_quickstart.py"
+    script.write_text(block.group(1), encoding="utf-8")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=CELL_TIMEOUT_S, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saving = re.search(r"([0-9.]+)x less KV memory", proc.stdout)
+    assert saving and float(saving.group(1)) > 1.3, proc.stdout

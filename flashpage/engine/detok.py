@@ -21,6 +21,8 @@ class Detokenizer:
         text: output text so far (cut before a stop string once one was found).
         sent: how many characters of ``text`` were already handed to a stream.
         stopped: a stop string was found.
+        pending: decoded text of the last tokens not yet in ``text`` (it ends in an incomplete
+            character, U+FFFD); shown by ``current_text``, confirmed by the next token or ``flush``.
     """
 
     tokenizer: Any
@@ -29,6 +31,7 @@ class Detokenizer:
     text: str = ""
     sent: int = 0
     stopped: bool = False
+    pending: str = ""
     _prefix_offset: int = 0
     _read_offset: int = 0
     _longest_stop: int = field(default=0, init=False)
@@ -50,8 +53,10 @@ class Detokenizer:
         prefix = self._decode(token_ids[self._prefix_offset:self._read_offset])
         full = self._decode(token_ids[self._prefix_offset:])
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
+            self.pending = full[len(prefix):]
             return
         start = len(self.text)
+        self.pending = ""
         self.text += full[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
         if check_stop:
@@ -68,7 +73,13 @@ class Detokenizer:
             self.text += full[len(prefix):]
             if check_stop:
                 self._find_stop(start)
+        self.pending = ""
         self._prefix_offset = self._read_offset = len(token_ids)
+
+    @property
+    def current_text(self) -> str:
+        """The output text as a full decode shows it now: ``text`` plus any incomplete tail."""
+        return self.text if self.stopped else self.text + self.pending
 
     def _find_stop(self, start: int) -> None:
         if not self.stop:

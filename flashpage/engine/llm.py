@@ -12,6 +12,7 @@ import itertools
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +25,8 @@ from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.sampler import Sampler
 from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
-from flashpage.engine.sequence import Group, Seq, SeqStatus
-from flashpage.engine.sizing import KVSizing, plan_kv_pool
+from flashpage.engine.sequence import Group, Seq
+from flashpage.engine.sizing import KVSizing, plan_kv_pool, pool_warning
 from flashpage.errors import check_positive_ints
 from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
 from flashpage.patches.patching import patch_state
@@ -64,11 +65,13 @@ class LLM:
         model: a transformers causal LM, or a path / hub id loaded with ``from_pretrained``.
         tokenizer: needed for text prompts and output text (loaded with the model from a path).
         block_size: tokens per KV page (default 16; 256 where flash-attn 2 is the kernel).
-        num_blocks: KV pages; default sized from ``kv_cache_memory`` (CPU) or free GPU memory.
+        num_blocks: KV pages; default: from ``kv_cache_memory``, else on CUDA from free memory, else on CPU
+            what ``max_num_seqs`` sequences of ``max_model_len`` tokens need (at most 1 GiB). A pool
+            smaller than one ``max_model_len`` sequence warns here.
         max_num_seqs: sequences decoded together at most.
         max_num_batched_tokens: tokens per step at most (long prompts are chunked).
         enable_prefix_caching: share full blocks of equal prefixes between requests.
-        kv_cache_memory: bytes for the KV pool (default on CPU: 1 GiB).
+        kv_cache_memory: bytes (not GiB) for the KV pool; at least one block.
         gpu_memory_utilization: fraction of free CUDA memory for the pool (CUDA only).
         max_model_len: tokens per sequence at most (default: the model's positions).
         dtype / device: for loading from a path.
@@ -100,10 +103,15 @@ class LLM:
             self.device = next(self.model.parameters()).device
             config = self.model.config.get_text_config(decoder=True)
             self.vocab_size = int(config.vocab_size)
-            self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", None) or 1 << 30
+            known_len = max_model_len or getattr(config, "max_position_embeddings", None)
+            self.max_model_len = known_len or 1 << 30
             sizing = plan_kv_pool(self.model, self.device, block_size or default_block_size(self.device),
                                   num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-                                  gpu_memory_utilization=gpu_memory_utilization)
+                                  gpu_memory_utilization=gpu_memory_utilization, max_model_len=known_len,
+                                  max_num_seqs=max_num_seqs)
+            too_small = pool_warning(sizing.num_blocks, sizing.block_size, known_len)
+            if too_small:
+                warnings.warn(too_small, stacklevel=2)
             self.sizing: KVSizing = sizing
             self.kv = PagedKVCache(sizing.num_layers, sizing.num_kv_heads, sizing.head_dim,
                                    v_head_dim=sizing.v_head_dim, num_blocks=sizing.num_blocks,
@@ -254,17 +262,27 @@ class LLM:
         params.__post_init__()  # re-validate: fields may have been changed after construction
         text, ids = self._tokenize(prompt)
         self._validate_prompt(ids, params)
-        rid = request_id if request_id is not None else str(next(self._ids))
+        rid = request_id if request_id is not None else self._next_id()
         if rid in self._groups:
             raise ValueError(f"request id {rid!r} is already in use")
         # a sequence can hold no more tokens than the model's positions, nor than the whole KV pool
         cap = min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
-        return Group(rid, text, ids, params, RequestMetrics(time.perf_counter()), self.tokenizer,
-                     max_total_tokens=cap)
+        group = Group(rid, text, ids, params, RequestMetrics(time.perf_counter()), self.tokenizer,
+                      max_total_tokens=cap)
+        group.new_seq(0, ids)  # everything that can fail happens here, before anything is queued
+        return group
+
+    def _next_id(self) -> str:
+        """A fresh automatic request id (skipping any a caller chose with request_id=)."""
+        rid = str(next(self._ids))
+        while rid in self._groups or rid in self._unreported:
+            rid = str(next(self._ids))
+        return rid
 
     def _enqueue(self, group: Group) -> None:
+        """Register a group built (and fully validated) by _make_group; cannot fail half-way."""
         self._groups[group.request_id] = group
-        self.scheduler.add(group.new_seq(0, group.prompt_token_ids))
+        self.scheduler.add(group.seqs[0])
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -428,8 +446,7 @@ class LLM:
 
     def _finish_seq(self, seq: Seq, reason: str) -> None:
         self.scheduler.remove(seq)
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
+        seq.mark_finished(reason)
         if seq.detok is not None:
             seq.detok.flush(seq.output_ids, check_stop=seq.num_output >= seq.group.params.min_tokens)
         group = seq.group
@@ -504,9 +521,22 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
 def _load(path: str | os.PathLike, tokenizer: Any, dtype: torch.dtype | None, device: Any) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _check_model_path(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
     if device is not None:
         model = model.to(device)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+def _check_model_path(path: str | os.PathLike) -> None:
+    """Refuse a local path that is not a checkpoint directory (from_pretrained's own errors are obscure)."""
+    local = os.path.expanduser(os.fspath(path))
+    if os.path.isfile(local):
+        raise ValueError(f"LLM({os.fspath(path)!r}): that is a file, not a model; give the checkpoint directory "
+                         f"that holds config.json and the weights (e.g. LLM({os.path.dirname(local) or '.'!r})) "
+                         "or a hub id")
+    looks_local = isinstance(path, os.PathLike) or os.fspath(path).startswith((".", "/", "~"))
+    if looks_local and not os.path.isdir(local):
+        raise ValueError(f"LLM({os.fspath(path)!r}): no such directory; give a local checkpoint directory or a hub id")

@@ -18,7 +18,7 @@ class SamplingParams:
         max_tokens: new tokens to generate at most (>= 1).
         min_tokens: EOS and ``stop_token_ids`` are suppressed until this many were generated.
         temperature: 0 (or below 1e-5) is greedy; > 0 samples from softmax(logits / temperature).
-        top_k: keep the k most likely tokens (0 or -1: off).
+        top_k: keep the k most likely tokens; -1 (the default, as in vLLM) or 0: off.
         top_p: keep the smallest set of tokens whose probability reaches top_p (1: off).
         min_p: drop tokens below ``min_p`` x the top token's probability (0: off).
         repetition_penalty: HF-style penalty on tokens of prompt and output (1: off).
@@ -26,7 +26,8 @@ class SamplingParams:
         stop: strings that end the output; the text is cut before the first one.
         stop_token_ids: token ids that end the output (kept in ``token_ids``).
         ignore_eos: keep going after EOS.
-        seed: makes this request's samples reproducible whatever else is batched with it.
+        seed: makes this request's samples reproducible whatever else is batched with it; any
+            int >= 0 (large ones such as ``time.time_ns()`` included: reduced modulo 2**63).
         logprobs: also return the log-probability of each chosen token and of the top
             ``logprobs`` tokens (log-softmax of the model's raw logits); None: off.
         n: independent samples of the same prompt (the prompt's blocks are shared, not recomputed).
@@ -36,7 +37,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     temperature: float = 1.0
-    top_k: int = 0
+    top_k: int = -1
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0

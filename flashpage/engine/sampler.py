@@ -1,9 +1,10 @@
 """Sampler: picks each sequence's next token from its logits row, following its SamplingParams.
 
 Order: repetition / presence / frequency penalties, ``min_tokens`` suppression of EOS and stop
-ids, then greedy argmax (temperature 0) or temperature, top-k, top-p, min-p and a draw from the
-sequence's own generator (so a seeded request samples the same tokens whatever it is batched
-with). Log-probabilities are those of the model's raw logits.
+ids, then greedy argmax (temperature 0) or temperature, top-k, top-p, min-p and a draw. A seeded
+sequence draws alone from its own generator on the logits' device (so it samples the same tokens
+whatever it is batched with); unseeded rows are filtered and drawn together, one multinomial on
+the global RNG. Log-probabilities are those of the model's raw logits.
 """
 
 from __future__ import annotations
@@ -38,15 +39,14 @@ class Sampler:
         """
         raw = logits.float()
         scores = raw if not self._needs_processing(seqs) else self._process(raw.clone(), seqs)
-        greedy = [i for i, s in enumerate(seqs) if s.group.params.greedy]
         chosen = [0] * len(seqs)
+        greedy, seeded, unseeded = _split_rows(seqs)
         if greedy:
-            picks = scores[greedy].argmax(dim=-1).tolist()
-            for i, t in zip(greedy, picks, strict=True):
-                chosen[i] = t
-        for i, s in enumerate(seqs):
-            if not s.group.params.greedy:
-                chosen[i] = self._sample(scores[i], s)
+            _put(chosen, greedy, scores[greedy].argmax(dim=-1).tolist())
+        for i in seeded:
+            chosen[i] = self._sample_seeded(scores[i], seqs[i])
+        if unseeded:
+            _put(chosen, unseeded, self._sample_batched(scores[unseeded], [seqs[i] for i in unseeded]))
         self._record_logprobs(raw, seqs, chosen)
         return chosen
 
@@ -66,12 +66,22 @@ class Sampler:
         return scores
 
     @staticmethod
-    def _sample(row: torch.Tensor, seq: Seq) -> int:
+    def _sample_seeded(row: torch.Tensor, seq: Seq) -> int:
+        """One row on its own generator (on the row's device): the same draw alone or in any batch."""
         p = seq.group.params
         row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
         probs = torch.softmax(row, dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=seq.generator)
+        noise = torch.empty_like(probs).exponential_(generator=seq.generator(probs.device))
         return int((probs / noise).argmax())
+
+    @staticmethod
+    def _sample_batched(scores: torch.Tensor, seqs: Sequence[Seq]) -> list[int]:
+        """Unseeded rows (K, V): filtered together, one multinomial on the global RNG."""
+        params = [s.group.params for s in seqs]
+        temps = torch.tensor([p.temperature for p in params], dtype=scores.dtype, device=scores.device)
+        rows = filter_logits_batched(scores / temps[:, None], [p.top_k for p in params],
+                                     [p.top_p for p in params], [p.min_p for p in params])
+        return torch.multinomial(torch.softmax(rows, dim=-1), 1).squeeze(1).tolist()
 
     @staticmethod
     def _record_logprobs(raw: torch.Tensor, seqs: Sequence[Seq], chosen: list[int]) -> None:
@@ -86,6 +96,24 @@ class Sampler:
                 vals, ids = logp[r].topk(k)
                 top = dict(zip(ids.tolist(), vals.tolist(), strict=True))
             seqs[i].logprobs.append(TokenLogprob(chosen[i], float(logp[r, chosen[i]]), top))
+
+
+def _split_rows(seqs: Sequence[Seq]) -> tuple[list[int], list[int], list[int]]:
+    """Row indices of greedy, seeded-sampling and unseeded-sampling sequences."""
+    greedy: list[int] = []
+    seeded: list[int] = []
+    unseeded: list[int] = []
+    for i, s in enumerate(seqs):
+        if s.group.params.greedy:
+            greedy.append(i)
+        else:
+            (unseeded if s.seed is None else seeded).append(i)
+    return greedy, seeded, unseeded
+
+
+def _put(chosen: list[int], rows: list[int], tokens: list[int]) -> None:
+    for i, t in zip(rows, tokens, strict=True):
+        chosen[i] = t
 
 
 def apply_penalties(row: torch.Tensor, token_ids: list[int], num_prompt: int, repetition: float,
@@ -117,3 +145,31 @@ def filter_logits(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> 
         probs = row.softmax(-1)
         row = row.masked_fill(probs < min_p * probs.max(), float("-inf"))
     return row
+
+
+def filter_logits_batched(rows: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float],
+                          min_p: Sequence[float]) -> torch.Tensor:
+    """:func:`filter_logits` over (N, V) rows at once, each row with its own top_k / top_p / min_p."""
+    vocab = rows.shape[1]
+    dev = rows.device
+    neg_inf = float("-inf")
+    k_list = [k if 0 < k < vocab else 0 for k in top_k]
+    use_k, use_p, use_min = any(k_list), any(p < 1.0 for p in top_p), any(m > 0.0 for m in min_p)
+    if use_k or use_p:
+        sorted_rows, order = rows.sort(dim=-1, descending=True)
+        if use_k:
+            ks = torch.tensor(k_list, dtype=torch.long, device=dev)[:, None]
+            kth = sorted_rows.gather(1, (ks - 1).clamp(min=0))
+            kth = torch.where(ks > 0, kth, torch.full_like(kth, neg_inf))
+            rows = rows.masked_fill(rows < kth, neg_inf)
+            sorted_rows = sorted_rows.masked_fill(sorted_rows < kth, neg_inf)  # still sorted
+        if use_p:
+            ps = torch.tensor(list(top_p), dtype=rows.dtype, device=dev)[:, None]
+            probs = sorted_rows.softmax(-1)
+            drop = (probs.cumsum(-1) - probs >= ps) & (ps < 1.0)  # keep tokens until the mass reaches top_p
+            rows = rows.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), neg_inf)
+    if use_min:
+        mins = torch.tensor(list(min_p), dtype=rows.dtype, device=dev)[:, None]
+        probs = rows.softmax(-1)
+        rows = rows.masked_fill(probs < mins * probs.max(dim=-1, keepdim=True).values, neg_inf)
+    return rows

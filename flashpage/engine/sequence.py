@@ -34,7 +34,7 @@ class Seq:
     group: Group
     index: int
     token_ids: list[int]
-    generator: torch.Generator | None
+    seed: int | None = None  # this sample's generator seed, in [0, 2**63); None: the global RNG
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_computed: int = 0
     status: SeqStatus = SeqStatus.WAITING
@@ -44,6 +44,28 @@ class Seq:
     streamed_tokens: int = 0
     final_streamed: bool = False
     in_cache: bool = False
+    _generator: torch.Generator | None = field(default=None, repr=False)
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """This sample's own generator on ``device`` (the logits' device), or None when unseeded.
+
+        Created on first use (a CPU generator cannot draw for CUDA logits, and vice versa).
+        """
+        if self.seed is None:
+            return None
+        gen = self._generator
+        if gen is None or gen.device != torch.device(device):
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed)
+            self._generator = gen
+        return gen
+
+    def mark_finished(self, reason: str) -> None:
+        """End this sample (once); its group counts it, so ``Group.finished`` is O(1)."""
+        if self.status is not SeqStatus.FINISHED:
+            self.group.num_finished += 1
+        self.status = SeqStatus.FINISHED
+        self.finish_reason = reason
 
     @property
     def num_prompt(self) -> int:
@@ -80,41 +102,42 @@ class Group:
     seqs: list[Seq] = field(default_factory=list)
     streamed: bool = False
     max_total_tokens: int = 0  # model positions cap (prompt + output)
+    num_finished: int = 0  # samples finished so far (kept by Seq.mark_finished)
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs) and len(self.seqs) == self.params.n
+        return self.num_finished == self.params.n
 
     def new_seq(self, index: int, token_ids: list[int]) -> Seq:
-        seq = Seq(self, index, list(token_ids), _generator(self.params.seed, index))
+        seq = Seq(self, index, list(token_ids), sample_seed(self.params.seed, index))
         if self.params.logprobs is not None:
             seq.logprobs = []
-        if self.tokenizer is not None and (self.streamed or self.params.stop_strings):
+        if self.tokenizer is not None:  # incremental text: O(new tokens) per step, not a full decode
             seq.detok = Detokenizer(self.tokenizer, self.params.stop_strings, self.params.skip_special_tokens)
         self.seqs.append(seq)
         return seq
 
     def to_output(self) -> RequestOutput:
-        outputs = [CompletionOutput(s.index, s.output_ids, _text(self, s), s.finish_reason,
+        outputs = [CompletionOutput(s.index, s.output_ids, _text(s), s.finish_reason,
                                     list(s.logprobs) if s.logprobs is not None else None)
                    for s in sorted(self.seqs, key=lambda s: s.index)]
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs,
                              self.finished, self.metrics)
 
 
-def _generator(seed: int | None, index: int) -> torch.Generator:
-    g = torch.Generator()
+SEED_MODULUS = 1 << 63  # torch.Generator.manual_seed takes a signed 64-bit value
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The generator seed of sample ``index`` of a request seeded with ``seed`` (any int >= 0).
+
+    Reduced into [0, 2**63) deterministically, so arbitrarily large seeds (``time.time_ns()``)
+    work; sample 0 of a small seed keeps the value it always had.
+    """
     if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(seed * 1_000_003 + index)
-    return g
+        return None
+    return (seed * 1_000_003 + index) % SEED_MODULUS
 
 
-def _text(group: Group, seq: Seq) -> str:
-    if seq.detok is not None:
-        return seq.detok.text
-    if group.tokenizer is None:
-        return ""
-    return group.tokenizer.decode(seq.output_ids, skip_special_tokens=group.params.skip_special_tokens,
-                                  clean_up_tokenization_spaces=False)
+def _text(seq: Seq) -> str:
+    return seq.detok.current_text if seq.detok is not None else ""

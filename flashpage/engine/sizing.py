@@ -52,22 +52,64 @@ def probe_geometry(model: Any) -> tuple[int, int, int, int, torch.dtype, list[to
 
 
 def plan_kv_pool(model: Any, device: torch.device, block_size: int, *, num_blocks: int | None,
-                 kv_cache_memory: int | None, gpu_memory_utilization: float) -> KVSizing:
-    """Decide the pool: ``num_blocks`` if given, else a byte budget (CUDA: a fraction of free memory)."""
+                 kv_cache_memory: int | None, gpu_memory_utilization: float,
+                 max_model_len: int | None = None, max_num_seqs: int = 1) -> KVSizing:
+    """Decide the pool: ``num_blocks`` if given, else a byte budget.
+
+    The budget is ``kv_cache_memory`` when given; on CUDA a fraction of free memory otherwise;
+    and on CPU what ``max_num_seqs`` sequences of ``max_model_len`` tokens need, capped at 1 GiB
+    (a 4M-parameter model does not get a 1 GiB pool). A ``kv_cache_memory`` smaller than one
+    block is an error (it is in bytes, not GiB).
+    """
+    _check_utilization(gpu_memory_utilization)
     layers, heads, dim, vdim, dtype, devices = probe_geometry(model)
     per_token = layers * heads * (dim + vdim) * torch.empty((), dtype=dtype).element_size()
+    block_bytes = per_token * block_size
     if num_blocks is None:
-        budget = kv_cache_memory if kv_cache_memory is not None else _default_budget(device, gpu_memory_utilization)
-        num_blocks = max(1, budget // (per_token * block_size))
+        if kv_cache_memory is not None:
+            budget = _check_memory(kv_cache_memory, block_bytes, block_size)
+        elif torch.device(device).type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            budget = int(free * gpu_memory_utilization)
+        else:
+            budget = default_cpu_budget(per_token, block_size, max_model_len, max_num_seqs)
+        num_blocks = max(1, budget // block_bytes)
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     return KVSizing(layers, heads, dim, vdim, dtype, devices, block_size, int(num_blocks), per_token)
 
 
-def _default_budget(device: torch.device, utilization: float) -> int:
-    if not 0.0 < utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free * utilization)
-    return DEFAULT_CPU_KV_BYTES
+def default_cpu_budget(bytes_per_token: int, block_size: int, max_model_len: int | None, max_num_seqs: int) -> int:
+    """Bytes for ``max_num_seqs`` sequences of ``max_model_len`` tokens (whole blocks), at most 1 GiB."""
+    if max_model_len is None:
+        return DEFAULT_CPU_KV_BYTES
+    blocks_per_seq = -(-max_model_len // block_size)
+    return min(DEFAULT_CPU_KV_BYTES, blocks_per_seq * block_size * bytes_per_token * max_num_seqs)
+
+
+def pool_warning(num_blocks: int, block_size: int, max_model_len: int | None) -> str | None:
+    """Why a pool is too small for one ``max_model_len`` sequence (None when it is big enough)."""
+    capacity = num_blocks * block_size
+    if max_model_len is None or capacity >= max_model_len:
+        return None
+    return (f"flashpage.LLM: the KV pool holds {capacity} tokens ({num_blocks} blocks of {block_size}) but "
+            f"max_model_len is {max_model_len}: a request reaching {capacity} tokens ends early with "
+            f"finish_reason='length'. Give more blocks (num_blocks={-(-max_model_len // block_size)} or more, or "
+            f"kv_cache_memory= in bytes) or pass max_model_len={capacity} to make the limit explicit.")
+
+
+def _check_memory(kv_cache_memory: object, block_bytes: int, block_size: int) -> int:
+    if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, (int, float)):
+        raise ValueError(f"kv_cache_memory must be a number of bytes, got {kv_cache_memory!r}")
+    if not kv_cache_memory >= block_bytes:  # also refuses NaN
+        raise ValueError(f"kv_cache_memory={kv_cache_memory!r} bytes is less than one KV block ({block_bytes} bytes "
+                         f"= {block_size} tokens x {block_bytes // block_size} bytes per token). kv_cache_memory is in "
+                         f"bytes: for 4 GiB pass 4 * 2**30; or give num_blocks= instead.")
+    if kv_cache_memory == float("inf"):
+        raise ValueError("kv_cache_memory=inf: give a finite number of bytes (or num_blocks=)")
+    return int(kv_cache_memory)
+
+
+def _check_utilization(utilization: object) -> None:
+    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")

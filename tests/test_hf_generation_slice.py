@@ -11,8 +11,8 @@ num_return_sequences, beam search (with num_return_sequences and sequence scores
 sampling, assisted decoding with a second model, prompt lookup decoding, stopping criteria
 (custom criteria and several EOS ids), continuation from a returned cache, and the forward's
 logits on a left-padded batch. Families: llama, gpt2, gemma2 (sliding window, softcaps) and
-qwen2, from ``tests/model_zoo.py``. Left padding only: right padding is marked xfail until the
-attention side handles it (issue 14 item 1).
+qwen2, from ``tests/model_zoo.py``. Left padding, and right padding (the padded last position
+still attends to the real keys before it, as in transformers).
 """
 
 from __future__ import annotations
@@ -259,7 +259,6 @@ def _right_padded(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
     return right_ids, right_mask
 
 
-@pytest.mark.xfail(strict=True, reason="right padding: issue 14 item 1")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_right_padding_greedy(family: str, zoo, paged_forwards: list[int]) -> None:
     model, assistant = zoo[family]

@@ -22,6 +22,7 @@ reads of device data. No transformers import here.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -93,6 +94,7 @@ class StepPlan:
     pad_seqs: torch.Tensor | None = None  # (R,) their sequence index
     pad_visible: torch.Tensor | None = None  # (R,) keys each of them sees
     pages: object = None  # the PagedKVCache whose pages the layers read (set by PagedKVCache.plan)
+    host_ints: torch.Tensor | None = None  # the int32 buffer block_table .. cu_seqlens_k are views of
     _on_device: dict[torch.device, DeviceStep] = field(default_factory=dict, repr=False)
 
     @property
@@ -212,31 +214,23 @@ class DeviceStep:
 
 
 def _move(plan: StepPlan, device: torch.device) -> DeviceStep:
-    """One host buffer, one copy to ``device`` (pinned + non-blocking on CUDA), views per field."""
-    parts: list[torch.Tensor | None] = [plan.input_slots, plan.block_table.reshape(-1), plan.seqlens_k,
-                                        plan.cu_seqlens_q, plan.cu_seqlens_k, plan.token_index, plan.pad_rows,
-                                        plan.pad_seqs, plan.pad_visible]
-    present = [p for p in parts if p is not None]
-    host = torch.cat([p.to(torch.int64) for p in present])
-    if device.type == "cuda":
-        host = host.pin_memory()
-    moved = host.to(device, non_blocking=True) if device != host.device else host
-    views: list[torch.Tensor | None] = []
-    offset = 0
-    for p in parts:
-        if p is None:
-            views.append(None)
-            continue
-        views.append(moved[offset: offset + p.numel()])
-        offset += p.numel()
-    slots, table, seqlens, cu_q, cu_k, token_index, pad_rows, pad_seqs, pad_visible = views
+    """The plan's tensors on ``device``: on the host they are views of one int32 buffer (block table,
+    key lengths, prefix sums) and one int64 buffer (slots, indices), so a device gets two copies
+    (pinned and non-blocking on CUDA) and views of them."""
+    int_parts = [plan.block_table.reshape(-1), plan.seqlens_k, plan.cu_seqlens_q, plan.cu_seqlens_k]
+    long_parts = [plan.input_slots, plan.token_index, plan.pad_rows, plan.pad_seqs, plan.pad_visible]
+    ints = plan.host_ints if plan.host_ints is not None else _joined(int_parts, torch.int32)
+    i_views = _split(_to(ints, device), int_parts)
+    l_views = _split(_to(_joined(long_parts, torch.int64), device), long_parts)
+    table, seqlens, cu_q, cu_k = i_views
+    slots, token_index, pad_rows, pad_seqs, pad_visible = l_views
     return DeviceStep(
         plan=plan,
         input_slots=slots,
-        block_table=table.view(plan.block_table.shape).to(torch.int32),
-        seqlens_k=seqlens.to(torch.int32),
-        cu_seqlens_q=cu_q.to(torch.int32),
-        cu_seqlens_k=cu_k.to(torch.int32),
+        block_table=table.view(plan.block_table.shape),
+        seqlens_k=seqlens,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
         token_index=token_index,
         pad_rows=pad_rows,
         pad_seqs=pad_seqs,
@@ -245,6 +239,34 @@ def _move(plan: StepPlan, device: torch.device) -> DeviceStep:
         all_written=plan.all_written,
         empty_rows=plan.empty_rows,
     )
+
+
+def _joined(parts: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+    """The parts back to back, flattened, in ``dtype``."""
+    present = [p for p in parts if p is not None]
+    if len(present) == 1:
+        return present[0].reshape(-1).to(dtype)
+    return torch.cat([p.reshape(-1).to(dtype) for p in present]) if present else torch.empty(0, dtype=dtype)
+
+
+def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if host.device == device:
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _split(buffer: torch.Tensor, parts: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    views: list[torch.Tensor | None] = []
+    offset = 0
+    for p in parts:
+        if p is None:
+            views.append(None)
+            continue
+        views.append(buffer[offset: offset + p.numel()])
+        offset += p.numel()
+    return views
 
 
 def build_plan(seq_ids: list[Hashable], query_lens: list[int], context_lens: list[int], tables: list[list[int]],
@@ -257,20 +279,21 @@ def build_plan(seq_ids: list[Hashable], query_lens: list[int], context_lens: lis
              for t, c, n in zip(tables, context_lens, query_lens, strict=True) for pos in range(c, c + n)]
     slot_mapping = torch.tensor(slots, dtype=torch.int64)
     key_lens = [c + n for c, n in zip(context_lens, query_lens, strict=True)]
+    b = len(tables)
     width = max(max((len(t) for t in tables), default=0), table_width or 0, 1)
-    block_table = torch.zeros((len(tables), width), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        if t:
-            block_table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    q = torch.tensor(query_lens, dtype=torch.int32)
-    seqlens_k = torch.tensor(key_lens, dtype=torch.int32)
-    zero = torch.zeros(1, dtype=torch.int32)
+    # one int32 host tensor holds the block table, key lengths and both prefix sums (views below)
+    flat = [i for t in tables for i in (*t, *([0] * (width - len(t))))]
+    flat += key_lens + [0, *itertools.accumulate(query_lens)] + [0, *itertools.accumulate(key_lens)]
+    ints = torch.tensor(flat, dtype=torch.int32)
+    block_table = ints[: b * width].view(b, width)
+    seqlens_k = ints[b * width: b * width + b]
+    cu_q = ints[b * width + b: b * width + 2 * b + 1]
+    cu_k = ints[b * width + 2 * b + 1:]
     plan = StepPlan(
         seq_ids=seq_ids, query_lens=query_lens, context_lens=context_lens, mode="varlen",
         layout=layout or InputLayout(1, len(slots)), block_size=block_size, slot_mapping=slot_mapping,
         input_slots=slot_mapping, token_index=None, block_table=block_table, seqlens_k=seqlens_k,
-        cu_seqlens_q=torch.cat([zero, q.cumsum(0, dtype=torch.int32)]),
-        cu_seqlens_k=torch.cat([zero, seqlens_k.cumsum(0, dtype=torch.int32)]),
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, host_ints=ints,
         max_seqlen_q=max(query_lens, default=0), max_seqlen_k=max(key_lens, default=0),
         uniform_query=len(set(query_lens)) <= 1, key_lens=key_lens,
     )

@@ -290,9 +290,11 @@ class HFPagedCache(Cache):
         self.step = plan.to(device if device is not None else "cpu")
         self._owns_plan = True
         self._pending = length
-        self._real = torch.cat([self._real, new_mask], dim=1) if self._real.shape[0] else new_mask
-        started = self._real.to(torch.int8).cummax(dim=1).values.to(torch.bool)
-        self.has_holes = bool((started & ~self._real).any())  # padding after a real token (right padding)
+        first = not self._real.shape[0]
+        self._real = new_mask if first else torch.cat([self._real, new_mask], dim=1)
+        if first or not bool(new_mask.all()):  # only padding can open a hole (a pad after a real token)
+            started = self._real.to(torch.int8).cummax(dim=1).values.to(torch.bool)
+            self.has_holes = bool((started & ~self._real).any())
 
     @property
     def owns_plan(self) -> bool:
@@ -357,8 +359,11 @@ class HFPagedCache(Cache):
     def _token_lists(input_ids: torch.Tensor | None, new_mask: torch.Tensor) -> list[list[int]] | None:
         if input_ids is None:
             return None
-        ids = input_ids.to("cpu")
-        return [row[m].tolist() for row, m in zip(ids, new_mask, strict=True)]
+        rows = input_ids.tolist()
+        if bool(new_mask.all()):
+            return rows
+        return [[t for t, real in zip(row, keep, strict=True) if real]
+                for row, keep in zip(rows, new_mask.tolist(), strict=True)]
 
     def _ensure_capacity(self, counts: Sequence[int], rows: Sequence[int] | None = None) -> None:
         rows = self.rows if rows is None else rows

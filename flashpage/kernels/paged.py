@@ -102,9 +102,9 @@ def attend_static(qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     b, heads, sq, d = qh.shape
     kv_heads = k_pages.shape[2]
     width = block_table.shape[1] * k_pages.shape[1]
-    ids = block_table.to(torch.int64)
-    k = k_pages[ids].view(b, width, kv_heads, d).transpose(1, 2)  # (B, Hk, W, D)
-    v = v_pages[ids].view(b, width, kv_heads, v_pages.shape[-1]).transpose(1, 2)
+    ids = block_table.reshape(-1)
+    k = k_pages.index_select(0, ids).view(b, width, kv_heads, d).transpose(1, 2)  # (B, Hk, W, D)
+    v = v_pages.index_select(0, ids).view(b, width, kv_heads, v_pages.shape[-1]).transpose(1, 2)
     if visible is None:
         visible = visible_keys(seqlens_k, sq, width, opts.causal and sq > 1, opts.window_size)
     scale = d**-0.5 if opts.softmax_scale is None else float(opts.softmax_scale)

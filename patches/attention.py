@@ -104,6 +104,8 @@ def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     attention sinks and attention weights as transformers' eager attention computes them."""
     lq, lk = query.shape[2], key.shape[2]
     scale = options["softmax_scale"] if options["softmax_scale"] is not None else query.shape[-1] ** -0.5
+    if mask is not None and mask.shape[-1] > lk:  # a compiled forward's mask is max_cache_len wide
+        mask = mask[..., :lk]
     if mask is not None and mask.dtype != torch.bool:
         mask = mask > torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask.to(torch.bool)
     if mask is None and options["causal"] and lq > 1:

@@ -74,7 +74,7 @@ class _PagedLayer(CacheLayerMixin):
         return self._parent.update(key_states, value_states, self._layer_idx)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._parent.get_seq_length() + query_length, 0
+        return self._parent.get_mask_sizes(query_length)
 
     def get_seq_length(self) -> int:
         return self._parent.get_seq_length()
@@ -154,6 +154,7 @@ class HFPagedCache(Cache):
         self.plan: StepPlan | None = None
         self.step: DeviceStep | None = None  # the plan on the input's device (what the layers use)
         self.has_holes = False  # some row has padding after a real token (set per forward)
+        self._offset: torch.Tensor | None = None  # the logical length as a 0-d tensor on the input device
         self._owns_plan = False
         self._pending = 0  # new tokens of the forward in flight (committed by end_forward)
 
@@ -186,7 +187,19 @@ class HFPagedCache(Cache):
         return self._logical_len
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """(kv_length, kv_offset) of transformers' masks. Under ``torch.compile`` the width is the
+        cache's fixed ``max_cache_len``, as a static cache's is, so shapes do not change per step (the
+        paged path never reads this mask; the dense path uses its first logical columns)."""
+        if self.max_cache_len and torch.compiler.is_compiling():
+            return self.max_cache_len, 0
         return self._logical_len + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int | torch.Tensor:
+        """Position of this forward's first query. Under ``torch.compile`` a 0-d tensor updated each
+        forward (a Python int would be specialised: one graph per step)."""
+        if self._offset is not None and torch.compiler.is_compiling():
+            return self._offset
+        return self._logical_len
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -288,6 +301,7 @@ class HFPagedCache(Cache):
     def _start(self, plan: StepPlan, new_mask: torch.Tensor, length: int, device: torch.device | None) -> None:
         self.plan = plan
         self.step = plan.to(device if device is not None else "cpu")
+        self._offset = torch.tensor(self._logical_len, device=self.step.input_slots.device)
         self._owns_plan = True
         self._pending = length
         first = not self._real.shape[0]

@@ -21,6 +21,7 @@ from types import MethodType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from flashpage.errors import check_positive_ints
 from flashpage.patches.attention import ATTN_NAME, register
@@ -237,8 +238,21 @@ def _pre_hook(state: PatchState):
             batch, length = shaped.shape[0], shaped.shape[1]
             cache.begin_forward(input_ids, batch, length, inputs.get("attention_mask"), shaped.device)
         state.active_cache = cache
+        return _fixed_width_mask(cache, args, kwargs)
 
     return hook
+
+
+def _fixed_width_mask(cache: HFPagedCache, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """generate()'s 2D mask grows by a column per step; the paged attention does not read it (the plan
+    has what it says), but a compiled forward would see a new shape every step. Widen it to the
+    cache's fixed ``max_cache_len`` with padding columns: every decode step then has one shape."""
+    mask = kwargs.get("attention_mask")
+    width = cache.max_cache_len
+    if cache.dense_view or not width or not isinstance(mask, torch.Tensor) or mask.dim() != 2 \
+            or mask.shape[1] >= width:
+        return None
+    return args, {**kwargs, "attention_mask": F.pad(mask, (0, width - mask.shape[1]))}
 
 
 def _post_hook(state: PatchState):

@@ -48,7 +48,7 @@ def test_patched_forward_compiles_fullgraph_without_recompiles(model: torch.nn.M
     reference = _generate(model)
     flashpage.patch(model)
     eager = _generate(model)
-    model.forward = torch.compile(model.forward, fullgraph=True)
+    model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
     counters.clear()
     compiled = _generate(model)  # prefill graph + decode graph, then NEW_TOKENS - 2 warm decode steps
     graphs = counters["stats"]["unique_graphs"]

@@ -106,7 +106,7 @@ def compiled_generate(model: Any, batch: int, new: int, repeats: int) -> dict[st
     torch.compiler.reset()
     flashpage.patch(model)
     eager_forward = model.forward
-    model.forward = torch.compile(eager_forward, fullgraph=True)
+    model.forward = torch.compile(eager_forward, fullgraph=True, dynamic=False)
     try:
         _gen(model, inputs, new)  # compiles the prefill and decode graphs
         t_fp, out = _best(lambda: _gen(model, inputs, new), repeats)

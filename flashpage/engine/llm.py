@@ -76,6 +76,9 @@ class LLM:
         max_model_len: tokens per sequence at most (default: the model's positions).
         dtype / device: for loading from a path.
         check_invariants: verify the block accounting after every step (slow; for tests/debugging).
+        max_prefill_with_decodes: prompt tokens a step may carry while it also decodes (default
+            ``max(64, max_num_batched_tokens // 4)``): bounds what prefill adds to running requests'
+            time per output token.
         compile: run decode-only steps through ``torch.compile(fullgraph=True)`` padded to batch
             and block-table buckets (CUDA graphs on CUDA). Default: on for CUDA, off on CPU
             (see :func:`flashpage.engine.compiled.default_compile`).
@@ -86,10 +89,12 @@ class LLM:
                  enable_prefix_caching: bool = True, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-                 check_invariants: bool = False, compile: bool | None = None) -> None:
+                 check_invariants: bool = False, compile: bool | None = None,
+                 max_prefill_with_decodes: int | None = None) -> None:
         if isinstance(model, (str, os.PathLike)):
             model, tokenizer = _load(model, tokenizer, dtype, device)
-        defaults_allowed = {"block_size": block_size, "num_blocks": num_blocks, "max_model_len": max_model_len}
+        defaults_allowed = {"block_size": block_size, "num_blocks": num_blocks, "max_model_len": max_model_len,
+                            "max_prefill_with_decodes": max_prefill_with_decodes}
         check_positive_ints("LLM: ", {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                                       **{k: v for k, v in defaults_allowed.items() if v is not None}})
         self.model = model.eval()
@@ -124,7 +129,7 @@ class LLM:
         self._cache = HFPagedCache.wrap(self.kv, config)
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
             else "past_key_values"
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_prefill_with_decodes)
         self.sampler = Sampler(_eos_ids(self.model, tokenizer))
         self.max_num_batched_tokens = max_num_batched_tokens
         self._groups: dict[str, Group] = {}

@@ -53,10 +53,14 @@ class Schedule:
 class Scheduler:
     """Admission, chunking, slot allocation and preemption over one :class:`PagedKVCache`."""
 
-    def __init__(self, kv: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_with_decodes: int | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # prompt tokens a step may add while it also decodes: bounds what prefill adds to every running
+        # request's time per output token (vLLM's chunked-prefill budget does the same)
+        self.max_prefill_with_decodes = max_prefill_with_decodes or max(64, max_num_batched_tokens // 4)
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.num_preemptions = 0
@@ -124,6 +128,10 @@ class Scheduler:
         for seq in decodes + prefills:
             if seq.status is not SeqStatus.RUNNING or budget <= 0:
                 continue
+            if seq.remaining > 1 and decodes and out.chunks:  # prefill after decodes: keep the step short
+                budget = min(budget, self.max_prefill_with_decodes - self._prefill_tokens(out))
+                if budget <= 0:
+                    break
             n = min(seq.remaining, budget)
             if not self._make_room(seq, n, scheduled, out):
                 continue
@@ -131,7 +139,13 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= n
         if not out.preempted:
+            if any(c.num_tokens == 1 for c in out.chunks):
+                budget = min(budget, self.max_prefill_with_decodes - self._prefill_tokens(out))
             self._admit(out, budget)
+
+    @staticmethod
+    def _prefill_tokens(out: Schedule) -> int:
+        return sum(c.num_tokens for c in out.chunks if c.num_tokens > 1)
 
     def _allocate(self, seq: Seq, n: int, admitted: bool = False) -> Chunk:
         start = seq.num_computed

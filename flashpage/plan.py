@@ -161,7 +161,7 @@ class DeviceStep:
         table = self.block_table if compiling else self.block_table[:, : self.read_blocks]
         if not compiling:
             kernel = dispatch.layer_kernel(q.device, q.dtype, self.plan.block_size, s_aux is not None,
-                                           opts.softcap > 0)
+                                           opts.softcap > 0, q.shape[-1])
             if kernel is not None:
                 return kernel.kvcache(q, k_pages, v_pages, table, self.seqlens_k, opts)
         return paged.attend_static(q, k_pages, v_pages, table, self.seqlens_k, opts, s_aux)

@@ -204,8 +204,11 @@ def _fa2_problem(mod: ModuleType, call: CallProps) -> str | None:
     for flag, name in (("softcap", "softcap"), ("leftpad", "cache_leftpad")):
         if (getattr(call, flag) or flag in call.features) and not accepts(fn, name):
             return f"flash-attn {release} has no {name} in {fn.__name__} (needs >= 2.6); upgrade flash-attn"
-    if "lse" in call.features and call.entry == "flash_attn_with_kvcache" and not accepts(fn, "return_softmax_lse"):
-        return f"flash-attn {release} cannot return the LSE from flash_attn_with_kvcache (needs >= 2.6)"
+    if "lse" in call.features:
+        if call.entry == "flash_attn_with_kvcache" and not accepts(fn, "return_softmax_lse"):
+            return f"flash-attn {release} cannot return the LSE from flash_attn_with_kvcache (needs >= 2.6)"
+        if call.entry == "flash_attn_varlen_func" and version(mod) < (2, 6):
+            return f"flash-attn {release} returns a padded (B, H, max_seqlen_q) varlen LSE (needs >= 2.6)"
     return None
 
 

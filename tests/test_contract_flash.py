@@ -454,3 +454,25 @@ def test_signature_is_read_once_per_function():
     assert required == {"q", "k_cache", "v_cache"}
     assert flash_backends.parameters(mod.flash_attn_with_kvcache) is flash_backends._SIGNATURES[
         mod.flash_attn_with_kvcache]
+
+
+def test_an_argument_a_release_lacks_is_never_dropped_silently():
+    """Only neutral values (None, False, 0, (-1, -1)) of arguments a release lacks are left out."""
+    mod, _ = fs.load_fa2("v2.5.9")
+    case = _plain_kvcache()
+    case.pop("k"), case.pop("v")
+    with pytest.raises(RuntimeError, match="has no argument 'softcap'"):
+        flash_backends._call(mod.flash_attn_with_kvcache, {**case, "softcap": 5.0})
+    out = flash_backends._call(mod.flash_attn_with_kvcache, {**case, "softcap": 0.0, "cache_leftpad": None,
+                                                             "return_softmax_lse": False})
+    assert out[0].shape == case["q"].shape
+
+
+def test_fa4_is_named_with_its_version_and_refusals():
+    mod, _ = fs.load_fa4(90)
+    with dispatch.force_backend("fa4", mod):
+        ok = dispatch.explain("flash_attn_with_kvcache", device="cpu", dtype=torch.bfloat16, block_size=16)
+        alibi = dispatch.explain("flash_attn_varlen_func", device="cpu", dtype=torch.bfloat16, block_size=16,
+                                 alibi=True)
+    assert ok.name == "fa4" and "flash-attn 4" in ok.reason
+    assert alibi.name == "reference" and "ALiBi is not supported by flash-attn 4" in alibi.reason

@@ -127,7 +127,7 @@ def _decide(call: _Call) -> tuple[BackendChoice, ModuleType | None]:
         if problem:
             reasons[key] = problem
             continue
-        version = getattr(mod, "__version__", "?")
+        version = flash_backends.release(key, mod)
         detail = f"{_LABELS[key]} {version} on {call.device.type}, {str(call.dtype).replace('torch.', '')}"
         if call.block_size is not None:
             detail += f", block_size {call.block_size}"

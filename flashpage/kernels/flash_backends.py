@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable
+from importlib import metadata
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -53,6 +54,17 @@ class CallProps(Protocol):
 def version(mod: ModuleType) -> tuple[int, ...]:
     nums = re.findall(r"\d+", str(getattr(mod, "__version__", "0")))[:3]
     return tuple(int(x) for x in nums) or (0,)
+
+
+def release(key: str, mod: ModuleType) -> str:
+    """The installed version, for messages (flash-attn 4's interface module has no ``__version__``)."""
+    found = getattr(mod, "__version__", None)
+    if found is None and key == "fa4":
+        try:
+            found = metadata.version("flash-attn-4")
+        except metadata.PackageNotFoundError:
+            found = None
+    return str(found) if found is not None else "?"
 
 
 def too_old(key: str, mod: ModuleType) -> str | None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from flashpage.cache import default_block_size
-from flashpage.kernels import backend_info
+from flashpage.kernels import backend_info, dispatch
 
 
 def _version(dist: str) -> str:
@@ -47,6 +47,8 @@ def collect_info() -> dict[str, Any]:
         "transformers": _version("transformers"),
         "accelerate": _version("accelerate"),
         "flash_attn": _version("flash-attn"),
+        "flash_attn_4": _version("flash-attn-4"),
+        "flash_backends": {key: dispatch.import_status(key) or "importable" for key in ("fa2", "fa3", "fa4")},
         "cuda_available": torch.cuda.is_available(),
         "devices": _devices(),
         "default_block_size": {d: default_block_size(d) for d in (["cpu", "cuda"] if torch.cuda.is_available()
@@ -60,6 +62,7 @@ def format_info(info: dict[str, Any]) -> str:
              f"transformers {info['transformers']}, accelerate {info['accelerate']}, "
              f"flash-attn {info['flash_attn']})",
              "devices: " + ", ".join(info["devices"]),
+             "flash-attn backends: " + "; ".join(f"{k}: {v}" for k, v in info["flash_backends"].items()),
              "default block size: " + ", ".join(f"{k}={v}" for k, v in info["default_block_size"].items()),
              "kernels:"]
     for k in info["kernels"]:

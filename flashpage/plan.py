@@ -174,7 +174,7 @@ class DeviceStep:
                                        empty_rows=self.empty_rows)
         table = self.block_table[:, : self.read_blocks]
         kernel = dispatch.layer_kernel(qh.device, qh.dtype, self.plan.block_size, s_aux is not None,
-                                       opts.softcap > 0)
+                                       opts.softcap > 0, qh.shape[-1])
         if kernel is not None:
             return kernel.kvcache(qh.transpose(1, 2), k_pages, v_pages, table, self.seqlens_k, opts).transpose(1, 2)
         return paged.attend_static(qh, k_pages, v_pages, table, self.seqlens_k, opts, s_aux,

@@ -422,8 +422,8 @@ def test_force_reference_and_bad_name():
         assert "disabled by force_backend('reference')" in info["flash_attn_with_kvcache"].reason
         flash_attn_with_kvcache(**_kvcache_case(torch.float16))  # the outer force is back
     assert len(fake.calls) == 1
-    with pytest.raises(ValueError, match="'fa2', 'fa3' or 'reference'"):
-        with dispatch.force_backend("fa4", fake):
+    with pytest.raises(ValueError, match="'fa2', 'fa3', 'fa4' or 'reference'"):
+        with dispatch.force_backend("fa5", fake):
             pass
 
 

@@ -21,7 +21,7 @@ from flashpage.kernels.paged import LayerOptions
 from flashpage.kernels.store import store_kv as _store_kv
 
 ENTRY_POINTS = ("flash_attn_with_kvcache", "flash_attn_varlen_func", "store_kv")
-_MODULES = {"fa2": "flash_attn", "fa3": "flash_attn_interface"}
+_MODULES = {"fa2": "flash_attn", "fa3": "flash_attn_interface", "fa4": "flash_attn.cute.interface"}
 _LABELS = flash_backends.LABELS
 _imports: dict[str, tuple[ModuleType | None, str]] = {}
 _forced: dict[str, ModuleType] = {}
@@ -48,10 +48,12 @@ class _Call:
     s_aux: bool = False
     softcap: bool = False
     leftpad: bool = False
+    head_dim: int = 0  # 0: not known
+    features: frozenset[str] = frozenset()  # flash_backends.kvcache_features / varlen_features
 
 
 def _load(key: str) -> tuple[ModuleType | None, str]:
-    """Import flash-attn 2 ("fa2") or 3 ("fa3") once; (module, "") or (None, why not)."""
+    """Import flash-attn 2 ("fa2"), 3 ("fa3") or 4 ("fa4") once; (module, "") or (None, why not)."""
     if "reference" in _forced:
         return None, f"{_LABELS[key]} disabled by force_backend('reference')"
     if key in _forced:
@@ -76,29 +78,34 @@ def _load(key: str) -> tuple[ModuleType | None, str]:
 def clear_backend_cache() -> None:
     """Forget import results (testing hook: the next call imports flash-attn again)."""
     _imports.clear()
-    _choices.clear()
+    _forget_choices()
+
+
+def import_status(key: str) -> str:
+    """"" when flash-attn ``key`` ("fa2", "fa3", "fa4") is importable and usable, else why not."""
+    return _load(key)[1] or ("" if _load(key)[0] is not None else "switched off by force_backend")
 
 
 @contextmanager
 def force_backend(name: str, module: ModuleType | None) -> Iterator[None]:
-    """Route calls to `module` as if it were flash-attn 2 ("fa2") or 3 ("fa3"), on any device.
+    """Route calls to `module` as if it were flash-attn 2 ("fa2"), 3 ("fa3") or 4 ("fa4"), on any device.
 
     Only the device/compute-capability check is skipped; every other eligibility rule applies and
-    the other flash-attn backend is disabled meanwhile. name="reference" (module ignored) sends
+    the other flash-attn backends are disabled meanwhile. name="reference" (module ignored) sends
     every call to the PyTorch reference. Testing hook (not thread-safe).
     """
     if name not in (*_MODULES, "reference"):
-        raise ValueError(f"force_backend: name must be 'fa2', 'fa3' or 'reference', got {name!r}")
+        raise ValueError(f"force_backend: name must be 'fa2', 'fa3', 'fa4' or 'reference', got {name!r}")
     saved = dict(_forced)
     _forced.clear()
     _forced[name] = module
-    _choices.clear()
+    _forget_choices()
     try:
         yield
     finally:
         _forced.clear()
         _forced.update(saved)
-        _choices.clear()
+        _forget_choices()
 
 
 def _choose(call: _Call) -> tuple[BackendChoice, ModuleType | None]:
@@ -110,23 +117,24 @@ def _choose(call: _Call) -> tuple[BackendChoice, ModuleType | None]:
 
 
 def _decide(call: _Call) -> tuple[BackendChoice, ModuleType | None]:
-    reasons = []
-    for key in ("fa3", "fa2"):
+    reasons: dict[str, str] = {}
+    for key in flash_backends.preference(call.device):
         mod, why = _load(key)
         if mod is None:
-            reasons.append(why)
+            reasons[key] = why
             continue
         problem = flash_backends.problem(key, mod, call, key in _forced)
         if problem:
-            reasons.append(problem)
+            reasons[key] = problem
             continue
-        version = getattr(mod, "__version__", "?")
+        version = flash_backends.release(key, mod)
         detail = f"{_LABELS[key]} {version} on {call.device.type}, {str(call.dtype).replace('torch.', '')}"
         if call.block_size is not None:
             detail += f", block_size {call.block_size}"
         return BackendChoice(key, f"{key}: {detail}"), mod
-    reasons.reverse()  # flash-attn 2's reason first: it is the one most users install
-    return BackendChoice("reference", "reference: " + "; ".join(r for r in reasons if r)), None
+    # flash-attn 2's reason first: it is the one most users install
+    ordered = [reasons[key] for key in ("fa2", "fa3", "fa4") if reasons.get(key)]
+    return BackendChoice("reference", "reference: " + "; ".join(ordered)), None
 
 
 def explain(
@@ -222,6 +230,10 @@ def flash_attn_with_kvcache(
         s_aux is not None,
         bool(softcap),
         cache_leftpad is not None,
+        spec.head_dim,
+        flash_backends.kvcache_features(spec, append=k is not None, rotary=rotary_cos is not None,
+                                        batch_idx=cache_batch_idx is not None, lse=bool(return_softmax_lse),
+                                        window=window, causal=bool(causal)),
     )
     choice, mod = _choose(call)
     if choice.name == "reference":
@@ -312,6 +324,8 @@ def flash_attn_varlen_func(
         s_aux is not None,
         bool(softcap),
         False,
+        spec.head_dim,
+        flash_backends.varlen_features(bool(return_attn_probs)),
     )
     choice, mod = _choose(call)
     if choice.name == "reference":
@@ -339,7 +353,7 @@ def flash_attn_varlen_func(
         choice.name, mod, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=window, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-        return_attn_probs=return_attn_probs, block_table=block_table,
+        return_attn_probs=return_attn_probs, block_table=block_table, query_lens=seq_q,
     )
     return (result[0], result[1], None) if return_attn_probs else result[0]
 
@@ -376,13 +390,19 @@ class LayerKernel:
 _layer_kernels: dict[tuple, LayerKernel | None] = {}
 
 
+def _forget_choices() -> None:
+    """Drop every memoized choice (the installed or forced backends changed)."""
+    _choices.clear()
+    _layer_kernels.clear()
+
+
 def layer_kernel(device: torch.device, dtype: torch.dtype, block_size: int, s_aux: bool,
-                 softcap: bool) -> LayerKernel | None:
+                 softcap: bool, head_dim: int = 0) -> LayerKernel | None:
     """The flash-attn kernel a layer's paged ``kvcache``-mode attention runs on, or None for the
     reference (:func:`flashpage.kernels.paged.attend_static`). Memoized: one dict lookup per call."""
-    key = (device, dtype, block_size, s_aux, softcap, len(_choices), tuple(_forced))
+    key = (device, dtype, block_size, s_aux, softcap, head_dim)
     if key not in _layer_kernels:
-        call = _Call("flash_attn_with_kvcache", device, dtype, block_size, False, s_aux, softcap, False)
+        call = _Call("flash_attn_with_kvcache", device, dtype, block_size, False, s_aux, softcap, False, head_dim)
         choice, mod = _choose(call)
         _layer_kernels[key] = None if mod is None else LayerKernel(choice.name, mod)
     return _layer_kernels[key]
@@ -397,14 +417,14 @@ def layer_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     ``query_lens`` / ``key_lens`` are the host copies of the lengths, so the reference never
     reads them back from the device."""
     call = _Call("flash_attn_varlen_func", q.device, q.dtype, block_size, False, s_aux is not None,
-                 opts.softcap > 0, False)
+                 opts.softcap > 0, False, q.shape[-1])
     choice, mod = _choose(call)
     if mod is not None:
         return flash_backends.call_varlen(
             choice.name, mod, q=q, k=k_pages, v=v_pages, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=opts.softmax_scale,
             causal=opts.causal, window_size=opts.window_size, softcap=opts.softcap, alibi_slopes=None,
-            deterministic=False, return_attn_probs=False, block_table=block_table,
+            deterministic=False, return_attn_probs=False, block_table=block_table, query_lens=query_lens,
         )[0]
     spec = validate.VarlenSpec(batch=len(query_lens), total_q=q.shape[0], heads=q.shape[1],
                                kv_heads=k_pages.shape[2], head_dim=q.shape[2], paged=True, page_size=block_size,

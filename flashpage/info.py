@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from flashpage.cache import default_block_size
+from flashpage.engine.compiled import default_compile
 from flashpage.kernels import backend_info, dispatch
 
 
@@ -54,7 +55,15 @@ def collect_info() -> dict[str, Any]:
         "default_block_size": {d: default_block_size(d) for d in (["cpu", "cuda"] if torch.cuda.is_available()
                                                                    else ["cpu"])},
         "kernels": kernels,
+        "compiled_decode": {d: default_compile(torch.device(d)) for d in (["cpu", "cuda"] if torch.cuda.is_available()
+                                                                         else ["cpu"])},
     }
+
+
+def _compile_label(device: str, on: bool) -> str:
+    if not on:
+        return "off (LLM(compile=True) to opt in)"
+    return "on (CUDA graphs)" if device == "cuda" else "on"
 
 
 def format_info(info: dict[str, Any]) -> str:
@@ -64,6 +73,8 @@ def format_info(info: dict[str, Any]) -> str:
              "devices: " + ", ".join(info["devices"]),
              "flash-attn backends: " + "; ".join(f"{k}: {v}" for k, v in info["flash_backends"].items()),
              "default block size: " + ", ".join(f"{k}={v}" for k, v in info["default_block_size"].items()),
+             "LLM compiled decode steps by default: " + ", ".join(
+                 f"{k}={_compile_label(k, v)}" for k, v in info["compiled_decode"].items()),
              "kernels:"]
     for k in info["kernels"]:
         lines.append(f"  {k['entry_point']:<24} {k['device']:<5} {k['dtype']:<9} block {k['block_size']:<4} "

@@ -18,6 +18,7 @@ Every comparison also checks the tokens agree (greedy, EOS off).
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from collections.abc import Callable
@@ -60,6 +61,18 @@ def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return best, out
 
 
+def _interleaved(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[float, Any, float, Any]:
+    """Best time of each, runs alternating (a, b, a, b, ...) so load changes hit both alike."""
+    best_a = best_b = float("inf")
+    out_a = out_b = None
+    for _ in range(repeats):
+        t, out_a = _best(a, 1)
+        best_a = min(best_a, t)
+        t, out_b = _best(b, 1)
+        best_b = min(best_b, t)
+    return best_a, out_a, best_b, out_b
+
+
 def _batch(batch: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(16, 49, (batch,), generator=gen).tolist()
@@ -73,17 +86,15 @@ def _gen(model: Any, inputs: dict[str, torch.Tensor], new: int, **kw: Any) -> to
 
 
 def eager_generate(model: Any, batch: int, new: int, repeats: int) -> dict[str, Any]:
-    """Patched / unpatched eager generate() on one left-padded batch."""
+    """Patched / unpatched eager generate() on one left-padded batch (two copies of the model)."""
     import flashpage
 
     inputs = _batch(batch, seed=batch)
-    flashpage.unpatch(model)
-    _gen(model, inputs, 4)
-    t_hf, ref = _best(lambda: _gen(model, inputs, new), repeats)
-    flashpage.patch(model)
-    _gen(model, inputs, 4)
-    t_fp, out = _best(lambda: _gen(model, inputs, new), repeats)
-    flashpage.unpatch(model)
+    patched = flashpage.patch(copy.deepcopy(model))
+    for m in (model, patched):
+        _gen(m, inputs, 4)
+    t_hf, ref, t_fp, out = _interleaved(lambda: _gen(model, inputs, new), lambda: _gen(patched, inputs, new),
+                                        repeats)
     return {"case": f"generate eager, batch {batch}, {new} new", "transformers_s": t_hf, "flashpage_s": t_fp,
             "ratio": t_fp / t_hf, "goal": "<= 1.0x" if new > 256 else "<= 1.10x",
             "met": t_fp / t_hf <= (1.0 if new > 256 else 1.10), "agree": bool(torch.equal(out, ref))}
@@ -98,22 +109,15 @@ def compiled_generate(model: Any, batch: int, new: int, repeats: int) -> dict[st
     inputs = _batch(batch, seed=100 + batch)
     config = CompileConfig(fullgraph=True, dynamic=False)
     config._compile_all_devices = True
-    flashpage.unpatch(model)
-    torch.compiler.reset()
     static = {"cache_implementation": "static", "compile_config": config}
-    _gen(model, inputs, new, **static)  # compiles
-    t_hf, ref = _best(lambda: _gen(model, inputs, new, **static), repeats)
+    hf = copy.deepcopy(model)
+    patched = flashpage.patch(copy.deepcopy(model))
+    patched.forward = torch.compile(patched.forward, fullgraph=True, dynamic=False)
+    _gen(hf, inputs, new, **static)  # compile both
+    _gen(patched, inputs, new)
+    t_hf, ref, t_fp, out = _interleaved(lambda: _gen(hf, inputs, new, **static), lambda: _gen(patched, inputs, new),
+                                        repeats)
     torch.compiler.reset()
-    flashpage.patch(model)
-    eager_forward = model.forward
-    model.forward = torch.compile(eager_forward, fullgraph=True, dynamic=False)
-    try:
-        _gen(model, inputs, new)  # compiles the prefill and decode graphs
-        t_fp, out = _best(lambda: _gen(model, inputs, new), repeats)
-    finally:
-        model.forward = eager_forward
-        flashpage.unpatch(model)
-        torch.compiler.reset()
     return {"case": f"generate compiled, batch {batch}, {new} new", "transformers_s": t_hf, "flashpage_s": t_fp,
             "ratio": t_fp / t_hf, "goal": "<= 1.0x", "met": t_fp / t_hf <= 1.0,
             "agree": bool(torch.equal(out, ref))}
@@ -128,8 +132,8 @@ def engine_compile(model: Any, requests: int, new: int, repeats: int) -> dict[st
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     results = {}
     for compiled in (False, True):
-        llm = LLM(model, max_num_seqs=requests, num_blocks=requests * (-(-(64 + new) // 16) + 1) + 8,
-                  compile=compiled)
+        llm = LLM(copy.deepcopy(model), max_num_seqs=requests, max_model_len=64 + new + 16,
+                  num_blocks=requests * (-(-(64 + new) // 16) + 1) + 8, compile=compiled)
         llm.generate(prompts, params, use_tqdm=False)  # warm (and compile every bucket)
         seconds, outs = _best(lambda llm=llm: llm.generate(prompts, params, use_tqdm=False), repeats)
         results[compiled] = (seconds, [o.token_ids for o in outs], llm.stats().compiled_steps)
@@ -141,19 +145,16 @@ def engine_compile(model: Any, requests: int, new: int, repeats: int) -> dict[st
 
 def single_stream(model: Any, new: int, repeats: int) -> dict[str, Any]:
     """One request: LLM decode per token against generate() batch 1."""
-    import flashpage
     from flashpage import LLM, SamplingParams
 
     prompt = random_prompts([32], VOCAB, seed=3)[0]
     inputs = {"input_ids": torch.tensor([prompt]), "attention_mask": torch.ones(1, len(prompt), dtype=torch.long)}
-    flashpage.unpatch(model)
-    _gen(model, inputs, 4)
-    t_hf, ref = _best(lambda: _gen(model, inputs, new), repeats)
-    llm = LLM(model, max_num_seqs=1, num_blocks=64, compile=False)
+    llm = LLM(copy.deepcopy(model), max_num_seqs=1, num_blocks=64, max_model_len=1024, compile=False)
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    _gen(model, inputs, 4)
     llm.generate([prompt], params, use_tqdm=False)
-    t_fp, outs = _best(lambda: llm.generate([prompt], params, use_tqdm=False), repeats)
-    flashpage.unpatch(model)
+    t_hf, ref, t_fp, outs = _interleaved(lambda: _gen(model, inputs, new),
+                                         lambda: llm.generate([prompt], params, use_tqdm=False), repeats)
     ratio = t_fp / t_hf
     return {"case": f"single stream, {new} new", "transformers_ms_per_token": 1e3 * t_hf / new,
             "flashpage_ms_per_token": 1e3 * t_fp / new, "ratio": ratio, "goal": "<= 1.2x", "met": ratio <= 1.2,

@@ -6,17 +6,10 @@ import math
 
 import pytest
 import torch
-from engine_helpers import engine_model, hf_greedy, random_prompts
+from engine_helpers import hf_greedy, random_prompts
 
 from flashpage import LLM, SamplingParams
 from flashpage.patches import unpatch
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = engine_model()
-    yield m
-    unpatch(m)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from flashpage.bench.models import LOGIT_SCALE, left_pad, load_average, random_prompts
+from flashpage.bench.models import left_pad, load_average, random_prompts, seeded_llama
 
 VOCAB = 8192
 
@@ -37,19 +37,13 @@ def _log(msg: str) -> None:
 
 def hotpath_model(seed: int = 0) -> Any:
     """4 layers, hidden 256, 4 heads (2 KV heads), vocab 8192, float32, embeddings scaled as the bench model's."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                          attn_implementation="sdpa")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(LOGIT_SCALE)
-        model.get_output_embeddings().weight.mul_(LOGIT_SCALE)
-    return model.eval()
+    return seeded_llama(config, seed)
 
 
 def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:

@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from flashpage.engine import LLM, EngineStats, RequestOutput, SamplingParams
@@ -149,10 +149,16 @@ class _Live:
     last_delivery: float | None = None
 
 
-@dataclass
-class _Commands:
-    adds: list[tuple[str, Prompt, SamplingParams | None]] = field(default_factory=list)
-    aborts: list[str] = field(default_factory=list)
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams | None
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
 
 
 class AsyncLLM:
@@ -178,7 +184,7 @@ class AsyncLLM:
         self.on_finish = on_finish
         self._cv = threading.Condition()
         self._engine_lock = threading.RLock()
-        self._commands = _Commands()
+        self._commands: list[_Add | _Abort] = []  # applied in order, between steps (guarded by _cv)
         self._live: dict[str, _Live] = {}  # engine thread only
         self._pending_streams: dict[str, RequestStream] = {}  # added, not yet given to the engine (_cv)
         self._num_live = 0
@@ -205,7 +211,7 @@ class AsyncLLM:
                                      f"(max_waiting_requests={self.max_waiting_requests}); retry later")
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             stream = RequestStream(rid, self.abort)
-            self._commands.adds.append((rid, prompt, params))
+            self._commands.append(_Add(rid, prompt, params))
             if rid in self._pending_streams:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._pending_streams[rid] = stream
@@ -216,7 +222,7 @@ class AsyncLLM:
         """End a request; its stream gets one final output with finish_reason "abort".
         Unknown or ended ids are ignored."""
         with self._cv:
-            self._commands.aborts.append(request_id)
+            self._commands.append(_Abort(request_id))
             self._cv.notify()
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -267,11 +273,11 @@ class AsyncLLM:
         try:
             while True:
                 with self._cv:
-                    while not self._has_commands() and not self._busy and not self._stopping:
+                    while not self._commands and not self._busy and not self._stopping:
                         self._cv.wait()
                     if self._stopping:
                         break
-                    commands, self._commands = self._commands, _Commands()
+                    commands, self._commands = self._commands, []
                 with self._engine_lock:
                     self._apply(commands)
                     if self.llm.has_unfinished_requests():
@@ -283,23 +289,24 @@ class AsyncLLM:
             self.dead = exc
         self._shutdown()
 
-    def _has_commands(self) -> bool:
-        return bool(self._commands.adds or self._commands.aborts)
+    def _apply(self, commands: list[_Add | _Abort]) -> None:
+        for cmd in commands:
+            if isinstance(cmd, _Abort):
+                self.llm.abort(cmd.request_id)
+            else:
+                self._add(cmd)
 
-    def _apply(self, commands: _Commands) -> None:
-        for rid, prompt, params in commands.adds:
-            with self._cv:
-                stream = self._pending_streams.pop(rid)
-            try:
-                self.llm.add_request(prompt, params, request_id=rid)
-            except Exception as exc:  # invalid input: the caller gets the error, nothing was queued
-                stream._put(_Failed(exc))
-                continue
-            self._live[rid] = _Live(stream, time.perf_counter())
-            self._set_live_count()
-            stream._put(_Accepted())
-        for rid in commands.aborts:
-            self.llm.abort(rid)
+    def _add(self, cmd: _Add) -> None:
+        with self._cv:
+            stream = self._pending_streams.pop(cmd.request_id)
+        try:
+            self.llm.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
+        except Exception as exc:  # invalid input: the caller gets the error, nothing was queued
+            stream._put(_Failed(exc))
+            return
+        self._live[cmd.request_id] = _Live(stream, time.perf_counter())
+        self._set_live_count()
+        stream._put(_Accepted())
 
     def _step(self) -> None:
         try:
@@ -356,7 +363,7 @@ class AsyncLLM:
             with self._cv:
                 pending = list(self._pending_streams.values())
                 self._pending_streams.clear()
-                self._commands = _Commands()
+                self._commands = []
             closed = EngineClosedError("the server shut down before this request finished")
             for stream in pending:
                 stream._put(_Failed(closed))

@@ -148,7 +148,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         ids = _chat_prompt(state, req)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = limit if limit is not None else max(1, state.max_model_len - len(ids))
-        params = P.sampling_params(req, max_tokens, P.chat_logprobs(req))
+        params = P.sampling_params(req, max_tokens, P.chat_logprobs(req), renames={"logprobs": "top_logprobs"})
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _submit(state, [ids], params, rid, "messages")
         job = _Job(state, rid, "chat.completion", params, streams, req.stream_options)

@@ -115,14 +115,21 @@ def parse(model: type[_Strict], body: bytes) -> Any:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        if err["type"] == "json_invalid":
-            raise APIError(f"request body is not valid JSON: {err['msg']}") from None
-        loc = [str(p) for p in err["loc"] if isinstance(p, int) or not _TYPE_TAGS.match(str(p))]
+        errors = exc.errors()
+        if errors[0]["type"] == "json_invalid":
+            raise APIError(f"request body is not valid JSON: {errors[0]['msg']}") from None
+        # the most specific error: for a union field, the branch that got deepest into the value
+        err = max(errors, key=lambda e: len(_field_path(e["loc"])))
+        loc = _field_path(err["loc"])
         param = ".".join(loc) or None
         where = f"'{param}'" if param else "request body"
-        raise APIError(f"{where}: {err['msg']}" + (f" (got {_short(err.get('input'))})" if param else ""),
-                       param=param) from None
+        got = f" (got {_short(err.get('input'))})" if param and err["type"] != "missing" else ""
+        raise APIError(f"{where}: {err['msg']}{got}", param=param) from None
+
+
+def _field_path(loc: tuple[Any, ...]) -> list[str]:
+    """A pydantic error location without its union-branch tags: ("stop", "list[str]", 0) -> ["stop", "0"]."""
+    return [str(p) for p in loc if isinstance(p, int) or not _TYPE_TAGS.match(str(p))]
 
 
 def _short(value: Any) -> str:
@@ -141,8 +148,10 @@ def check_common(req: _Sampling) -> None:
                        param="include_stop_str_in_output")
 
 
-def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """SamplingParams for ``req``; out-of-range values raise APIError naming the request field."""
+def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
+                    renames: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams for ``req``; out-of-range values raise APIError naming the request field
+    (``renames``: SamplingParams field -> request field, where they differ)."""
     fields = {
         "max_tokens": max_tokens, "min_tokens": req.min_tokens, "n": req.n, "seed": req.seed,
         "temperature": 1.0 if req.temperature is None else req.temperature,
@@ -155,7 +164,11 @@ def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None) -> Sa
     try:
         return SamplingParams(**fields)
     except ValueError as exc:
-        raise engine_error(exc) from None
+        err = engine_error(exc)
+        for old, new in (renames or {}).items():
+            if err.param == old:
+                err.param, err.message = new, err.message.replace(old, new, 1)
+        raise err from None
 
 
 _PARAM_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")

@@ -158,7 +158,7 @@ class _Add:
 
 @dataclass(frozen=True)
 class _Abort:
-    request_id: str
+    request_id: str | None  # None: every request
 
 
 class AsyncLLM:
@@ -223,6 +223,12 @@ class AsyncLLM:
         Unknown or ended ids are ignored."""
         with self._cv:
             self._commands.append(_Abort(request_id))
+            self._cv.notify()
+
+    def abort_all(self) -> None:
+        """End every request accepted so far (each stream gets its final "abort" output)."""
+        with self._cv:
+            self._commands.append(_Abort(None))
             self._cv.notify()
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -292,7 +298,8 @@ class AsyncLLM:
     def _apply(self, commands: list[_Add | _Abort]) -> None:
         for cmd in commands:
             if isinstance(cmd, _Abort):
-                self.llm.abort(cmd.request_id)
+                for rid in [cmd.request_id] if cmd.request_id is not None else list(self._live):
+                    self.llm.abort(rid)
             else:
                 self._add(cmd)
 

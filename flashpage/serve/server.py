@@ -40,15 +40,29 @@ class ServeOptions:
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn.Server that also stops the engine front from accepting when a signal arrives."""
+    """uvicorn.Server that, on SIGTERM/SIGINT, stops the engine front from accepting and, after
+    ``drain_timeout`` seconds, aborts what still runs: those streams end properly (finish_reason
+    "abort", then ``[DONE]``) before uvicorn's own, later, timeout would cut their connections."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, drain_timeout: float) -> None:
         super().__init__(config)
         self.engine = engine
+        self.drain_timeout = drain_timeout
+        self.timer: threading.Timer | None = None
+        self.cut = threading.Event()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.engine.stop_accepting()
+        if self.timer is None:
+            self.timer = threading.Timer(self.drain_timeout, self._cut)
+            self.timer.daemon = True
+            self.timer.start()
         super().handle_exit(sig, frame)
+
+    def _cut(self) -> None:
+        if self.engine.num_unfinished:
+            self.cut.set()
+            self.engine.abort_all()
 
 
 def read_chat_template(path: str | None) -> str | None:
@@ -92,19 +106,22 @@ def run_server(options: ServeOptions) -> int:
     name = options.served_model_name or options.model or TINY_MODEL_NAME
     app = build_app(engine, name, chat_template=template, close_on_shutdown=False)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
-                            timeout_graceful_shutdown=options.drain_timeout, lifespan="on")
-    server = _DrainingServer(config, engine)
+                            timeout_graceful_shutdown=options.drain_timeout + 5.0, lifespan="on")
+    server = _DrainingServer(config, engine, options.drain_timeout)
     # uvicorn re-raises the signal it handled once it is done; these handlers make that a no-op,
     # so a drained server exits 0 instead of dying by SIGTERM
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run()
     finally:
-        drained = engine.close(drain_timeout=0.0)
+        engine.close(drain_timeout=0.0)
+        if server.timer is not None:
+            server.timer.cancel()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    print(f"flashpage serve: stopped ({'all requests finished' if drained else 'unfinished requests aborted'})",
-          file=sys.stderr)
+    how = "requests still running after --drain-timeout were aborted" if server.cut.is_set() \
+        else "all requests finished"
+    print(f"flashpage serve: stopped ({how})", file=sys.stderr)
     return 0 if server.started else 1
 
 

@@ -154,6 +154,7 @@ class _Add:
     request_id: str
     prompt: Prompt
     params: SamplingParams | None
+    arrival: float
 
 
 @dataclass(frozen=True)
@@ -210,10 +211,10 @@ class AsyncLLM:
                 raise QueueFullError(f"server is at capacity: {waiting} requests are waiting "
                                      f"(max_waiting_requests={self.max_waiting_requests}); retry later")
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-            stream = RequestStream(rid, self.abort)
-            self._commands.append(_Add(rid, prompt, params))
             if rid in self._pending_streams:
                 raise ValueError(f"request id {rid!r} is already in use")
+            stream = RequestStream(rid, self.abort)
+            self._commands.append(_Add(rid, prompt, params, time.perf_counter()))
             self._pending_streams[rid] = stream
             self._cv.notify()
         return stream
@@ -311,7 +312,7 @@ class AsyncLLM:
         except Exception as exc:  # invalid input: the caller gets the error, nothing was queued
             stream._put(_Failed(exc))
             return
-        self._live[cmd.request_id] = _Live(stream, time.perf_counter())
+        self._live[cmd.request_id] = _Live(stream, cmd.arrival)
         self._set_live_count()
         stream._put(_Accepted())
 
@@ -332,20 +333,22 @@ class AsyncLLM:
         if new and self.on_tokens is not None:
             first = live.last_delivery is None
             since = now - (live.arrival if first else live.last_delivery)
-            self.on_tokens(TokenEvent(out.request_id, new, first, since))
+            _call(self.on_tokens, TokenEvent(out.request_id, new, first, since))
         if new:
             live.last_delivery = now
         live.stream._put(out)
         if out.finished:
             self._end(out.request_id)
             if self.on_finish is not None:
-                self.on_finish(out)
+                _call(self.on_finish, out)
 
     def _fail_step(self, exc: Exception) -> None:
         self.failed_steps += 1
         ids = [r for r in self.llm.step_request_ids if r in self._live]
         if not ids:  # the step failed before computing anything (scheduling): nobody can progress
             ids = list(self._live)
+        if not ids:  # nothing of ours to fail: do not spin on a persistent fault
+            time.sleep(0.05)
         log.error("engine step failed (%s: %s); failing requests %s", type(exc).__name__, exc, ids)
         error = RequestFailedError(f"the engine step computing this request failed: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
@@ -387,3 +390,11 @@ class AsyncLLM:
                 live.stream._put(_Failed(closed))
                 self._end(rid)
             self._snapshot = self.llm.stats()
+
+
+def _call(callback: Callable[[Any], None], arg: Any) -> None:
+    """An observer's error is logged, never allowed to stop the engine thread."""
+    try:
+        callback(arg)
+    except Exception:
+        log.exception("flashpage serve: an AsyncLLM callback raised")

@@ -38,6 +38,7 @@ from flashpage.serve.metrics import CONTENT_TYPE, ServeMetrics
 
 log = logging.getLogger("flashpage.serve")
 RETRY_AFTER_SECONDS = 1
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the access log shows it
 
 
 @dataclass
@@ -136,6 +137,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         if req.stream:
             return _sse(job.completion_events(echoes))
         outs = await _collect(request, state, streams)
+        if outs is None:
+            return Response(status_code=CLIENT_CLOSED)
         choices = [R.completion_choice(i * params.n + c.index, c, state.token_text, echoes[i])
                    for i, out in enumerate(outs) for c in out.outputs]
         return JSONResponse({**job.header(), "choices": choices, "usage": R.usage(outs)})
@@ -155,6 +158,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         if req.stream:
             return _sse(job.chat_events())
         outs = await _collect(request, state, streams)
+        if outs is None:
+            return Response(status_code=CLIENT_CLOSED)
         choices = [R.chat_choice(c.index, c, state.token_text) for c in outs[0].outputs]
         return JSONResponse({**job.header(), "choices": choices, "usage": R.usage(outs)})
 
@@ -229,18 +234,21 @@ async def _wait_disconnect(request: Request) -> None:
         await asyncio.sleep(0.2)
 
 
-async def _collect(request: Request, state: ServerState, streams: list[RequestStream]) -> list[RequestOutput]:
-    """Every stream's final output; aborts them all if the client goes away or one fails."""
+async def _collect(request: Request, state: ServerState,
+                   streams: list[RequestStream]) -> list[RequestOutput] | None:
+    """Every stream's final output (None if the client went away); all are aborted unless finished."""
     gathered = asyncio.ensure_future(asyncio.gather(*(_final(s) for s in streams)))
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if gathered not in done:
-            raise asyncio.CancelledError("client disconnected")
+            return None
         return gathered.result()
     except RequestFailedError as exc:
         state.metrics.failed.inc()
         raise P.APIError(str(exc), 500, "internal_error") from None
+    except EngineClosedError as exc:
+        raise P.APIError(str(exc), 503, "service_unavailable") from None
     finally:
         watcher.cancel()
         gathered.cancel()

@@ -77,6 +77,12 @@ def test_openai_completions(client: openai.OpenAI, offline: LLM, engine: AsyncLL
     assert len(resp.choices) == 2 and all(c.text.startswith("The list") for c in resp.choices)
     lp = resp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 4 and all(len(t) == 2 for t in lp.top_logprobs)
+    assert all(v <= 0 for v in lp.token_logprobs) and "".join(lp.tokens) == resp.choices[0].text[len("The list"):]
+
+    batch = client.completions.create(model=MODEL, prompt=[[455, 491], [455]], max_tokens=3, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text == batch.choices[1].text  # greedy samples agree
+    assert (batch.usage.prompt_tokens, batch.usage.completion_tokens) == (2 + 1, 4 * 3)  # a prompt counts once
     _clean(engine)
 
 
@@ -100,6 +106,14 @@ def test_openai_chat(client: openai.OpenAI, offline: LLM, engine: AsyncLLM) -> N
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0, n=2,
+                                                 stream=True, stream_options={"include_usage": True}))
+    texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in (0, 1)}
+    assert texts[0] == texts[1] == want.text[:len(texts[0])] and texts[0]
+    assert {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason} == {0, 1}
+    assert chunks[-1].usage.completion_tokens == 10 and all(c.usage is None for c in chunks[:-1])
 
     stopped = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
                                              stop=[want.text[3:6]])

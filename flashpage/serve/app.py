@@ -61,7 +61,7 @@ class ServerState:
 def build_app(engine: AsyncLLM, model_name: str, *, chat_template: str | None = None,
               metrics: ServeMetrics | None = None, close_on_shutdown: bool = True) -> FastAPI:
     """The server's app. With ``close_on_shutdown`` the engine is closed when the app shuts down."""
-    tokenizer = copy.deepcopy(engine.llm.tokenizer) if engine.llm.tokenizer is not None else None
+    tokenizer = _own_copy(engine.llm.tokenizer)
     if metrics is None:
         metrics = ServeMetrics(engine.snapshot)
         engine.on_tokens, engine.on_finish = metrics.on_tokens, metrics.on_finish
@@ -79,6 +79,18 @@ def build_app(engine: AsyncLLM, model_name: str, *, chat_template: str | None = 
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
     return app
+
+
+def _own_copy(tokenizer: Any) -> Any:
+    """A tokenizer for the event loop's thread: the engine thread encodes and decodes with the original,
+    and a Rust tokenizer used from two threads at once can fail ("Already borrowed")."""
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # not copyable: share it (correct, if slower under contention)
+        log.warning("could not copy the tokenizer; the server shares the engine's")
+        return tokenizer
 
 
 # ------------------------------------------------------------------------------------------ errors

@@ -115,6 +115,12 @@ def test_openai_chat(client: openai.OpenAI, offline: LLM, engine: AsyncLLM) -> N
     assert {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason} == {0, 1}
     assert chunks[-1].usage.completion_tokens == 10 and all(c.usage is None for c in chunks[:-1])
 
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # vLLM's running usage
+    running = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].delta.content]
+    assert running == sorted(running) and running[-1] == 5 and chunks[-1].usage.completion_tokens == 5
+
     stopped = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
                                              stop=[want.text[3:6]])
     assert stopped.choices[0].message.content == want.text[:want.text.index(want.text[3:6])]

@@ -294,6 +294,7 @@ class _Job:
     streams: list[RequestStream]
     stream_options: P.StreamOptions | None
     created: int = field(default_factory=lambda: int(time.time()))
+    latest: dict[int, RequestOutput] = field(default_factory=dict)  # newest output per prompt
 
     def header(self, chunk: bool = False) -> dict[str, Any]:
         kind = self.kind + (".chunk" if chunk and self.kind == "chat.completion" else "")
@@ -305,8 +306,9 @@ class _Job:
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         body = {**self.header(chunk=True), "choices": choices}
-        if self.include_usage:
-            body["usage"] = None
+        if self.include_usage:  # usage so far with continuous_usage_stats (vLLM), else only in the last chunk
+            continuous = self.stream_options is not None and self.stream_options.continuous_usage_stats
+            body["usage"] = R.usage(list(self.latest.values())) if continuous and self.latest else None
         return body
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -331,6 +333,7 @@ class _Job:
                 elif isinstance(item, Exception):
                     raise item
                 else:
+                    self.latest[i] = item
                     yield i, item
         finally:
             for t in tasks:

@@ -6,6 +6,7 @@ fails only its requests, the bounded queue (503 + Retry-After) and /health, /v1/
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Iterator
 
@@ -170,8 +171,9 @@ async def _aiter_events(response: httpx.Response):
 
 
 def test_disconnects_give_every_block_back(url: str, engine: AsyncLLM) -> None:
-    body = {"model": MODEL, "prompt": "The list", "max_tokens": 800, "temperature": 0, "ignore_eos": True,
+    body = {"model": MODEL, "prompt": "The list", "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
             "stream": True}
+    aborted_before = _aborted(url)
 
     def stream_then_hang_up(k: int) -> None:
         with httpx.Client(timeout=60) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -184,15 +186,21 @@ def test_disconnects_give_every_block_back(url: str, engine: AsyncLLM) -> None:
         t.start()
     for t in threads:
         t.join(60)
-    # a non-streaming request whose client gives up
+    # a non-streaming request (8 samples: seconds of work) whose client gives up after 0.3 s
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=0.5)
+        httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "n": 8}, timeout=0.3)
     wait_until(lambda: metrics(url)["flashpage_num_requests_running"] == 0, what="running requests 0")
     m = metrics(url)
     assert (m["flashpage_kv_blocks_used"], m["flashpage_num_requests_waiting"]) == (0, 0)
     assert m["flashpage_kv_blocks_free"] + m["flashpage_kv_blocks_cached"] == m["flashpage_kv_blocks_total"]
     _clean(engine)
-    assert engine.stats().generated_tokens < 7 * 800  # they were cut short, not run to the end
+    assert _aborted(url) - aborted_before == 7  # every one was cut short by its disconnect, none ran to the end
+
+
+def _aborted(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    m = re.search(r'^flashpage_request_success_total\{finished_reason="abort"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 # -------------------------------------------------------------------------------- faults

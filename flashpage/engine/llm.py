@@ -137,6 +137,7 @@ class LLM:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._counters = {"steps": 0, "computed": 0, "generated": 0, "busy": 0.0}
+        self.step_request_ids: tuple[str, ...] = ()  # requests of the latest step (set even when it raises)
         self.check_invariants = check_invariants
         use_compile = default_compile(self.device) if compile is None else bool(compile)
         self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
@@ -152,14 +153,16 @@ class LLM:
         return group.request_id
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now: its blocks are freed, its output ends with finish_reason 'abort'.
-        A request that already finished (its output not yet reported by step()) is left as is."""
+        """Stop a request now: its blocks are freed, and the next step() reports its final output
+        once, with finish_reason 'abort'. An unknown id, or a request that already finished (reported
+        or not), is a no-op: aborting races with finishing, so both orders must be safe."""
         if request_id in self._unreported:
             return
         group = self._groups.get(request_id)
         if group is None:
-            raise KeyError(f"no running or waiting request with id {request_id!r}")
+            return
         self._finish_group(group, "abort")
+        self._unreported[request_id] = group
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to do or to report."""
@@ -319,7 +322,10 @@ class LLM:
                              "(num_blocks= or kv_cache_memory=) or shorten the prompt")
 
     def _step(self) -> list[Group]:
+        self.step_request_ids = ()
         schedule = self.scheduler.schedule()
+        # which requests this step computes: if it raises, a server fails those (and only those)
+        self.step_request_ids = tuple(dict.fromkeys(c.seq.group.request_id for c in schedule.chunks))
         if not schedule.chunks:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler could not place any waiting request in the KV pool")

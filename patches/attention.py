@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from flashpage.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
+from flashpage.patches.compat import adapt_mask_function
 
 ATTN_NAME = "pagedkv"
 
@@ -152,4 +153,4 @@ def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attentio
 def register() -> None:
     """Register the attention and mask functions under ``ATTN_NAME`` (idempotent)."""
     AttentionInterface.register(ATTN_NAME, pagedkv_attention)
-    AttentionMaskInterface.register(ATTN_NAME, paged_mask)
+    AttentionMaskInterface.register(ATTN_NAME, adapt_mask_function(paged_mask))

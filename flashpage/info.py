@@ -1,4 +1,5 @@
-"""``flashpage info``: versions, devices, and which kernel each entry point takes here and why."""
+"""``flashpage info``: versions (and whether they are in the supported range), devices, and which
+kernel each entry point takes here and why."""
 
 from __future__ import annotations
 
@@ -17,6 +18,17 @@ def _version(dist: str) -> str:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return "not installed"
+
+
+def _support() -> list[dict[str, Any]]:
+    """transformers and torch against the supported range (``flashpage.patches.compat``)."""
+    try:
+        from flashpage.patches.compat import support_status
+    except Exception as exc:  # the patches refuse to import on this transformers: say why
+        return [{"name": "transformers", "version": _version("transformers"), "required": "see reason",
+                 "supported": False, "summary": f"transformers {_version('transformers')}: NOT supported ({exc})"}]
+    return [{"name": s.name, "version": s.version, "required": s.required, "supported": s.supported,
+             "summary": s.describe()} for s in support_status()]
 
 
 def _devices() -> list[str]:
@@ -47,6 +59,7 @@ def collect_info() -> dict[str, Any]:
         "transformers": _version("transformers"),
         "accelerate": _version("accelerate"),
         "flash_attn": _version("flash-attn"),
+        "supported_versions": _support(),
         "cuda_available": torch.cuda.is_available(),
         "devices": _devices(),
         "default_block_size": {d: default_block_size(d) for d in (["cpu", "cuda"] if torch.cuda.is_available()
@@ -59,6 +72,7 @@ def format_info(info: dict[str, Any]) -> str:
     lines = [f"flashpage {info['flashpage']}  (python {info['python']}, torch {info['torch']}, "
              f"transformers {info['transformers']}, accelerate {info['accelerate']}, "
              f"flash-attn {info['flash_attn']})",
+             "supported range: " + "; ".join(s["summary"] for s in info["supported_versions"]),
              "devices: " + ", ".join(info["devices"]),
              "default block size: " + ", ".join(f"{k}={v}" for k, v in info["default_block_size"].items()),
              "kernels:"]

@@ -96,7 +96,7 @@ class SupportStatus:
     supported: bool
 
     def describe(self) -> str:
-        verdict = "supported" if self.supported else f"NOT supported (install {self.required})"
+        verdict = f"in range ({self.required})" if self.supported else f"NOT supported (install {self.required})"
         return f"{self.name} {self.version}: {verdict}"
 
 
@@ -112,7 +112,7 @@ def cache_kwarg(model: Any) -> str:
     """The keyword ``model.forward`` takes its cache by: "cache" (transformers >= 5.24) or "past_key_values"."""
     try:
         params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError):
         return "past_key_values"
     return "cache" if "cache" in params else "past_key_values"
 

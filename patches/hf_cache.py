@@ -187,7 +187,7 @@ class HFPagedCache(Cache):
     def max_cache_len(self) -> int | None:
         """Expected tokens per sequence (sizing hint; None: sized from the first forward).
 
-        Its own attribute: transformers' ``Cache`` made this a read-only property in 5.0-5.16."""
+        Its own attribute: transformers' ``Cache`` has a read-only property of this name before 5.20."""
         return self._max_cache_len
 
     @max_cache_len.setter

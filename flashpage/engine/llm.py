@@ -7,7 +7,6 @@ chunks together), planned once; logits are computed only for sequences that emit
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import os
 import threading
@@ -29,6 +28,7 @@ from flashpage.engine.sequence import Group, Seq
 from flashpage.engine.sizing import KVSizing, plan_kv_pool, pool_warning
 from flashpage.errors import check_positive_ints
 from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
+from flashpage.patches.compat import cache_kwarg, require_supported_transformers
 from flashpage.patches.patching import patch_state
 
 Prompt = str | Sequence[int]
@@ -91,6 +91,7 @@ class LLM:
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  check_invariants: bool = False, compile: bool | None = None,
                  max_prefill_with_decodes: int | None = None) -> None:
+        require_supported_transformers()  # before loading anything: say at once why not
         if isinstance(model, (str, os.PathLike)):
             model, tokenizer = _load(model, tokenizer, dtype, device)
         defaults_allowed = {"block_size": block_size, "num_blocks": num_blocks, "max_model_len": max_model_len,
@@ -127,8 +128,7 @@ class LLM:
                 unpatch(self.model)
             raise
         self._cache = HFPagedCache.wrap(self.kv, config)
-        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
-            else "past_key_values"
+        self._cache_kwarg = cache_kwarg(self.model)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_prefill_with_decodes)
         self.sampler = Sampler(_eos_ids(self.model, tokenizer))
         self.max_num_batched_tokens = max_num_batched_tokens

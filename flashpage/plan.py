@@ -149,7 +149,10 @@ class DeviceStep:
 
     def write(self, k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k (N, Hk, D) / v (N, Hk, Dv), one row per input position, into the pages."""
-        paged.store(k_pages, v_pages, k, v, self.input_slots, self.all_written)
+        if torch.compiler.is_compiling():
+            paged.store_op(k_pages, v_pages, k, v, self.input_slots, self.all_written)
+        else:
+            paged.store(k_pages, v_pages, k, v, self.input_slots, self.all_written)
 
     def attend(self, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
                s_aux: torch.Tensor | None = None) -> torch.Tensor:
@@ -172,9 +175,9 @@ class DeviceStep:
 
     def _kvcache(self, qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
                  s_aux: torch.Tensor | None) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # every column: shapes never depend on lengths
-            return paged.attend_static(qh, k_pages, v_pages, self.block_table, self.seqlens_k, opts, s_aux,
-                                       empty_rows=self.empty_rows)
+        if torch.compiler.is_compiling():  # an opaque op over the whole table: shapes never depend on lengths
+            return paged.attend_compiled(qh, k_pages, v_pages, self.block_table, self.seqlens_k, opts, s_aux,
+                                         self.empty_rows)
         table = self.block_table[:, : self.read_blocks]
         kernel = dispatch.layer_kernel(qh.device, qh.dtype, self.plan.block_size, s_aux is not None,
                                        opts.softcap > 0, qh.shape[-1])

@@ -164,9 +164,18 @@ def attend_op(qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, bl
     """:func:`attend_static` as a custom op; ``softmax_scale`` < 0 means ``head_dim ** -0.5``.
 
     On CPU only the block-table columns in use are read (the host read of the lengths costs nothing
-    there); on an accelerator every column is (no host sync: CUDA-graph safe)."""
+    there). On an accelerator nothing is read back (CUDA-graph safe): flash-attn's kvcache kernel
+    runs where it is eligible (it reads only the blocks in use), else every column is read."""
     opts = LayerOptions(None if softmax_scale < 0 else softmax_scale, causal, (window_left, window_right), softcap)
-    if qh.device.type == "cpu":
+    if qh.device.type != "cpu":
+        from flashpage.kernels import dispatch  # dispatch imports this module
+
+        kernel = dispatch.layer_kernel(qh.device, qh.dtype, k_pages.shape[1], s_aux is not None, softcap > 0,
+                                       qh.shape[-1])
+        if kernel is not None:
+            out = kernel.kvcache(qh.transpose(1, 2), k_pages, v_pages, block_table, seqlens_k, opts)
+            return out.transpose(1, 2).contiguous()
+    else:
         used = -(-int(seqlens_k.max()) // k_pages.shape[1]) if seqlens_k.numel() else 1
         block_table = block_table[:, : max(used, 1)]
     return attend_static(qh, k_pages, v_pages, block_table, seqlens_k, opts, s_aux, None, empty_rows).contiguous()

@@ -100,3 +100,21 @@ def test_llm_compiled_decode_steps(model: torch.nn.Module) -> None:
     assert counters["stats"]["unique_graphs"] == graphs, "a warm bucket recompiled"
     assert not counters["recompiles"], dict(counters["recompiles"])
     assert first == second == eager == reference
+
+
+def test_layer_ops_pass_opcheck() -> None:
+    """flashpage::attend and flashpage::store: schemas, fake kernels and mutation annotations agree
+    with what the ops do (what torch.compile relies on)."""
+    from flashpage.kernels import paged
+
+    g = torch.Generator().manual_seed(0)
+    k_pages, v_pages = torch.randn(6, 4, 2, 8, generator=g), torch.randn(6, 4, 2, 8, generator=g)
+    table = torch.tensor([[3, 1, 0], [5, 2, 4]], dtype=torch.int32)
+    seqlens = torch.tensor([6, 9], dtype=torch.int32)
+    qh = torch.randn(2, 4, 3, 8, generator=g)
+    torch.library.opcheck(paged.attend_op, (qh, k_pages, v_pages, table, seqlens, -1.0, True, -1, -1, 0.0, None, True))
+    torch.library.opcheck(paged.store_op, (k_pages, v_pages, torch.randn(3, 2, 8, generator=g),
+                                           torch.randn(3, 2, 8, generator=g), torch.tensor([5, -1, 9]), False))
+    out = paged.attend_op(qh, k_pages, v_pages, table, seqlens, -1.0, True, -1, -1, 0.0, None, True)
+    ref = paged.attend_static(qh, k_pages, v_pages, table, seqlens, paged.LayerOptions())
+    assert torch.allclose(out, ref, atol=1e-6)

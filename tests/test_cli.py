@@ -214,7 +214,8 @@ def test_bench_engine_quick_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0, err
     result = json.loads(out)
     assert result["bench"] == "engine" and result["workload"] == "mixed" and result["quick"] is True
-    assert set(result["systems"]) == {"flashpage", "hf_generate", "hf_cb"}
+    assert set(result["systems"]) == {"flashpage", "flashpage_capped", "hf_generate", "hf_cb"}
+    assert result["ratios"]["capped_tpot_vs_hf_generate"] > 0 and "tpot_vs_hf_generate" in result["goals"]
     assert result["outputs_agree"] is True
     for name, system in result["systems"].items():
         assert system["output_tokens_per_s"] > 0, name

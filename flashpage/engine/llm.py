@@ -7,6 +7,7 @@ chunks together), planned once; logits are computed only for sequences that emit
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import os
@@ -21,6 +22,7 @@ import torch
 
 from flashpage.cache import PagedKVCache, default_block_size
 from flashpage.engine.compiled import CompiledDecode, default_compile
+from flashpage.engine.distributed import TPSync, step_digest, tp_info
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.sampler import Sampler
@@ -52,6 +54,10 @@ class EngineStats:
     generated_tokens: int
     busy_seconds: float
     compiled_steps: int = 0  # decode steps that ran through the compiled forward (LLM(compile=True))
+    tp_rank: int = 0  # tensor parallel: this process's rank and the group size (1: no TP)
+    tp_size: int = 1
+    kv_heads: int = 0  # KV heads in this rank's pool (under TP: its local heads only)
+    kv_bytes: int = 0  # this rank's KV pool (K and V, all layers)
 
     @property
     def output_tokens_per_second(self) -> float:
@@ -114,6 +120,10 @@ class LLM:
                                   num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
                                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=known_len,
                                   max_num_seqs=max_num_seqs)
+            tp = tp_info(self.model)
+            self._tp = TPSync(tp) if tp is not None else None
+            if self._tp is not None:  # every rank the same pool: the same admissions and preemptions
+                sizing = dataclasses.replace(sizing, num_blocks=self._tp.agree_min(sizing.num_blocks))
             too_small = pool_warning(sizing.num_blocks, sizing.block_size, known_len)
             if too_small:
                 warnings.warn(too_small, stacklevel=2)
@@ -130,7 +140,8 @@ class LLM:
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
             else "past_key_values"
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_prefill_with_decodes)
-        self.sampler = Sampler(_eos_ids(self.model, tokenizer))
+        self.sampler = Sampler(_eos_ids(self.model, tokenizer),
+                               sync=self._tp.same_tokens if self._tp is not None else None)
         self.max_num_batched_tokens = max_num_batched_tokens
         self._groups: dict[str, Group] = {}
         self._unreported: dict[str, Group] = {}  # add_request()s that finished inside generate()/stream()
@@ -138,7 +149,7 @@ class LLM:
         self._lock = threading.Lock()
         self._counters = {"steps": 0, "computed": 0, "generated": 0, "busy": 0.0}
         self.check_invariants = check_invariants
-        use_compile = default_compile(self.device) if compile is None else bool(compile)
+        use_compile = default_compile(self.device) and self._tp is None if compile is None else bool(compile)
         self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
             if use_compile else None
 
@@ -160,6 +171,8 @@ class LLM:
         if group is None:
             raise KeyError(f"no running or waiting request with id {request_id!r}")
         self._finish_group(group, "abort")
+        if self._tp is not None:
+            self._tp.note_abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to do or to report."""
@@ -179,7 +192,10 @@ class LLM:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), s.num_blocks, s.in_use,
                            s.free, s.cached, s.block_size, s.hit_rate, self.scheduler.num_preemptions,
                            c["steps"], c["computed"], c["generated"], c["busy"],
-                           self._compiled.steps if self._compiled is not None else 0)
+                           self._compiled.steps if self._compiled is not None else 0,
+                           self._tp.info.rank if self._tp is not None else 0,
+                           self._tp.info.size if self._tp is not None else 1,
+                           self.sizing.num_kv_heads, self.sizing.total_bytes)
 
     # -------------------------------------------------------- batch helpers
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -218,7 +234,7 @@ class LLM:
         return _Release(self._lock)
 
     def _run_until_done(self, groups: list[Group], use_tqdm: bool) -> None:
-        bar = _progress(len(groups), use_tqdm)
+        bar = _progress(len(groups), use_tqdm and (self._tp is None or self._tp.info.is_driver))
         done = 0
         try:
             while not all(g.finished for g in groups):
@@ -319,11 +335,14 @@ class LLM:
                              "(num_blocks= or kv_cache_memory=) or shorten the prompt")
 
     def _step(self) -> list[Group]:
+        aborted = self._tp_aborts() if self._tp is not None else []
         schedule = self.scheduler.schedule()
+        if self._tp is not None:
+            self._tp_check(schedule)
         if not schedule.chunks:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler could not place any waiting request in the KV pool")
-            return []
+            return aborted
         start = time.perf_counter()
         emitting = [c for c in schedule.chunks if c.emits]
         logits = self._forward(schedule, emitting)
@@ -337,7 +356,26 @@ class LLM:
         self._counters["busy"] += time.perf_counter() - start
         if self.check_invariants:
             self.kv.blocks.check_invariants()
-        return touched
+        return aborted + touched
+
+    def _tp_aborts(self) -> list[Group]:
+        """Tensor parallel: apply the aborts other ranks made since the last step (see distributed.py)."""
+        assert self._tp is not None
+        groups = [self._groups[rid] for rid in self._tp.exchange_aborts() if rid in self._groups]
+        for g in groups:
+            self._finish_group(g, "abort")
+        return groups
+
+    def _tp_check(self, schedule: Schedule) -> None:
+        """Tensor parallel: every rank must run this very step; otherwise undo it and raise on all ranks."""
+        assert self._tp is not None
+        parts = [(c.seq.group.request_id, c.seq.index, c.start, c.token_ids) for c in schedule.chunks]
+        digest = step_digest(parts, [(s.group.request_id, s.index) for s in schedule.preempted])
+        try:
+            self._tp.check_step(digest, f"{len(parts)} chunks, {schedule.num_tokens} tokens")
+        except BaseException:
+            self.scheduler.rollback(schedule)
+            raise
 
     def _forward(self, schedule: Schedule, emitting: list[Chunk]) -> torch.Tensor:
         chunks = schedule.chunks

@@ -9,7 +9,8 @@ forward, whose all-reduces join the shards. What keeps the ranks in step (:class
   (and with it admission and preemption) is the same everywhere;
 - the tokens: each step's sampled tokens are those of rank 0, broadcast to the others (greedy,
   seeded and unseeded sampling alike), so stop strings and finish reasons agree;
-- aborts: an ``abort()`` made on any rank is applied on every rank before the next step schedules;
+- aborts: an ``abort()`` made on any rank is applied on every rank when the next step starts (and
+  reported by that step), so every rank ends the request after the same tokens;
 - a check: before each forward the ranks compare a digest of what they scheduled (requests, token
   ids, positions) and all raise :class:`RankDivergence` if it differs, instead of silently feeding
   the all-reduce different inputs (the usual cause: ranks added different requests or in a
@@ -97,7 +98,7 @@ class TPSync:
 
     # ------------------------------------------------------------------ steps
     def note_abort(self, request_id: str) -> None:
-        """Remember an abort made on this rank, for the other ranks to apply at the next step."""
+        """Remember an abort made on this rank, for every rank to apply when the next step starts."""
         self._aborts.append(request_id)
 
     def exchange_aborts(self) -> list[str]:
@@ -119,7 +120,8 @@ class TPSync:
         if len(set(digests)) > 1:
             odd = [r for r, d in enumerate(digests) if d != digests[0]]
             raise RankDivergence(
-                f"tensor-parallel rank(s) {odd} scheduled a different step from rank 0 ({what}): the ranks would "
+                f"tensor-parallel rank(s) {odd} scheduled a different step from rank 0 (this rank, "
+                f"{self.info.rank}: {what}): the ranks would "
                 "feed different inputs to the same all-reduce. Every rank must make the same calls on its LLM "
                 "(same prompts, sampling params and request ids, in the same order, at the same point between "
                 "steps); see README 'Tensor parallel'.")

@@ -164,15 +164,18 @@ class LLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request now: its blocks are freed, its output ends with finish_reason 'abort'.
-        A request that already finished (its output not yet reported by step()) is left as is."""
+        A request that already finished (its output not yet reported by step()) is left as is.
+        Under tensor parallelism the abort (made on any rank) takes effect on every rank at the start
+        of the next step, which reports the request's final output."""
         if request_id in self._unreported:
             return
         group = self._groups.get(request_id)
         if group is None:
             raise KeyError(f"no running or waiting request with id {request_id!r}")
-        self._finish_group(group, "abort")
         if self._tp is not None:
             self._tp.note_abort(request_id)
+            return
+        self._finish_group(group, "abort")
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to do or to report."""
@@ -359,7 +362,7 @@ class LLM:
         return aborted + touched
 
     def _tp_aborts(self) -> list[Group]:
-        """Tensor parallel: apply the aborts other ranks made since the last step (see distributed.py)."""
+        """Tensor parallel: apply the aborts any rank made since the last step (see distributed.py)."""
         assert self._tp is not None
         groups = [self._groups[rid] for rid in self._tp.exchange_aborts() if rid in self._groups]
         for g in groups:

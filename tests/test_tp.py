@@ -1,0 +1,129 @@
+"""Tensor parallelism across processes: two ranks under torchrun (gloo, CPU, loopback rendezvous).
+
+One torchrun run of tests/tp_worker.py (about 20 s on 2 cores) serves every test here: greedy
+patched generate() and LLM equal to the single-process model, each rank's pool holding its half of
+the KV heads, unseeded / seeded / stop-string sampling equal on both ranks, a preemption-heavy run
+equal to the single-process one, an abort made on rank 0 alone, and a divergence both ranks refuse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tp_worker
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import flashpage
+from flashpage import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
+TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Both ranks' reports; the processes must exit by themselves within TIMEOUT_S."""
+    out = tmp_path_factory.mktemp("tp")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(Path(tp_worker.__file__)), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # our own torchrun and its two workers, nothing else
+        log, _ = proc.communicate()
+        pytest.fail(f"the two TP ranks did not exit within {TIMEOUT_S} s:\n{log[-4000:]}")
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{log[-4000:]}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def single() -> tuple[Any, Any]:
+    path = flashpage.tiny_model_path()
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def test_patched_generate_matches_single_process(ranks: list[dict[str, Any]], single: tuple[Any, Any]) -> None:
+    model, tok = single
+    batch = tok(tp_worker.PROMPTS[:3], return_tensors="pt", padding=True, padding_side="left")
+    want = model.generate(**batch, max_new_tokens=12, do_sample=False).tolist()  # transformers, unpatched
+    for r in ranks:
+        assert r["generate"]["sequences"] == want
+    # each rank stores its own KV head (of 2) for the same tokens: half the single-process bytes
+    flashpage.patch(model)
+    try:
+        full = model.generate(**batch, max_new_tokens=12, do_sample=False, return_dict_in_generate=True).cache
+    finally:
+        flashpage.unpatch(model)
+    assert full.kv.num_kv_heads == 2
+    for r in ranks:
+        assert r["generate"]["kv_heads"] == 1
+        assert r["generate"]["tokens_stored"] == full.memory_stats().tokens_stored
+        assert 2 * r["generate"]["bytes_in_use"] == full.memory_stats().bytes_in_use
+
+
+def test_llm_greedy_matches_single_process_and_pool_is_per_rank(ranks: list[dict[str, Any]],
+                                                                 single: tuple[Any, Any]) -> None:
+    llm = LLM(*single, max_num_seqs=8, kv_cache_memory=1 << 22)
+    outs = llm.generate(tp_worker.PROMPTS, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
+    s = llm.stats()
+    assert (s.tp_rank, s.tp_size, s.kv_heads) == (0, 1, 2)
+    for rank, r in enumerate(ranks):
+        g = r["greedy"]
+        assert g["tokens"] == [o.outputs[0].token_ids for o in outs]
+        assert (g["tp_rank"], g["tp_size"], g["kv_heads"]) == (rank, 2, 1)
+        # the same byte budget holds twice the blocks when a rank stores half the heads
+        assert g["num_blocks"] == 2 * s.blocks_total
+        assert g["kv_bytes"] == s.kv_bytes == 1 << 22
+
+
+def test_preemption_heavy_run_matches_single_process(ranks: list[dict[str, Any]], single: tuple[Any, Any]) -> None:
+    want = tp_worker.preemption_llm(*single)
+    assert want["preemptions"] > 0
+    assert ranks[0]["preemption"] == ranks[1]["preemption"] == want
+
+
+def test_sampling_is_the_same_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    a, b = ranks[0]["sampling"], ranks[1]["sampling"]
+    assert a["unseeded"] == b["unseeded"]  # each rank's global RNG was seeded differently
+    assert a["seeded"] == b["seeded"]
+    assert all(len(o[0]) == 16 and o[0] != o[1] for o in a["seeded"])  # n=2: two different samples
+    flat_a, flat_b = sum(a["logprobs"], []), sum(b["logprobs"], [])
+    assert len(flat_a) == 3 * 16 and flat_a == pytest.approx(flat_b, abs=1e-5)
+    assert a["stops"] == b["stops"]
+    reasons = {reason for _text, reason, _ids in a["stops"]}
+    assert "stop" in reasons and not any(" the" in text or "." in text for text, _r, _ids in a["stops"])
+
+
+def test_abort_on_one_rank_ends_the_request_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    a, b = ranks[0]["aborts"], ranks[1]["aborts"]
+    assert a["final"] == b["final"]
+    tokens, reason = a["final"]["b"]
+    assert reason == "abort" and 0 < len(tokens) < 30
+    assert [a["final"][rid][1] for rid in ("a", "c")] == ["length", "length"]
+    assert a["streamed"] == b["streamed"] and len(a["streamed"]) == 7
+    assert a["after"] == b["after"] and a["running"] == b["running"] == 0
+
+
+def test_divergent_ranks_both_raise(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        d = r["divergence"]
+        assert d["error"] is not None and "scheduled a different step" in d["error"]
+        assert "same prompts" in d["error"]
+        assert d["running"] == d["waiting"] == 0

@@ -41,15 +41,16 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), str(Path(tp_worker.__file__)), str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # our own torchrun and its two workers, nothing else
-        log, _ = proc.communicate()
-        pytest.fail(f"the two TP ranks did not exit within {TIMEOUT_S} s:\n{log[-4000:]}")
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{log[-4000:]}"
+    log_path = out / "torchrun.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        try:  # each rank also has its own watchdog (tp_worker.WATCHDOG_S) and collective timeout
+            proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # torchrun stops its workers on SIGTERM
+            proc.wait(timeout=30)
+            pytest.fail(f"the two TP ranks did not exit within {TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{log_path.read_text()[-4000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -119,6 +120,16 @@ def test_abort_on_one_rank_ends_the_request_on_every_rank(ranks: list[dict[str, 
     assert [a["final"][rid][1] for rid in ("a", "c")] == ["length", "length"]
     assert a["streamed"] == b["streamed"] and len(a["streamed"]) == 7
     assert a["after"] == b["after"] and a["running"] == b["running"] == 0
+
+
+def test_driver_and_follower_run_the_same_steps(ranks: list[dict[str, Any]]) -> None:
+    a, b = ranks[0]["driver"], ranks[1]["driver"]
+    assert len(a["tokens"]) == 4 and all(len(t) > 0 for t in a["tokens"])
+    assert a["d"] == [["abort", 2]]  # aborted after two steps, reported by the next one
+    assert a["steps"] == b["steps"] > 0
+    assert b["follower_steps"] == a["steps"] + 1  # + the step that only applied the abort
+    assert a["generated"] == b["generated"]
+    assert a["spmd_after"] == b["spmd_after"]
 
 
 def test_divergent_ranks_both_raise(ranks: list[dict[str, Any]]) -> None:

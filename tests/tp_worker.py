@@ -8,8 +8,10 @@ same requests.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +20,11 @@ import torch.distributed as dist
 
 import flashpage
 from flashpage import LLM, SamplingParams
+from flashpage.engine.distributed import drive, follow
 
 PROMPTS = ["The list", "A module is", "If the file", "Return the number of", "The default value is",
            "This module provides"]
+WATCHDOG_S = 180
 PREEMPT = {"num_blocks": 10, "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 256}
 PREEMPT_PARAMS = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -95,6 +99,31 @@ def aborts(llm: LLM, rank: int) -> dict[str, Any]:
             "running": llm.stats().running}
 
 
+def driver(llm: LLM, rank: int) -> dict[str, Any]:
+    """Rank 0 alone adds (and aborts) requests inside drive(); rank 1 follows; then SPMD again."""
+    torch.manual_seed(3000 + rank)
+    before = llm.stats()
+    out: dict[str, Any] = {}
+    if rank == 0:
+        with drive(llm):
+            outs = llm.generate(PROMPTS[:4], SamplingParams(max_tokens=12, temperature=1.0), use_tqdm=False)
+            out["tokens"] = [o.outputs[0].token_ids for o in outs]
+            llm.add_request(PROMPTS[4], SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True),
+                            request_id="d")
+            llm.step()
+            llm.step()
+            llm.abort("d")
+            out["d"] = [(o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in llm.step()]
+    else:
+        out["follower_steps"] = follow(llm)
+    after = llm.stats()
+    out["steps"] = after.steps - before.steps
+    out["generated"] = after.generated_tokens - before.generated_tokens
+    out["spmd_after"] = [o.outputs[0].token_ids for o in llm.generate(
+        PROMPTS[:2], SamplingParams(max_tokens=6, temperature=1.0), use_tqdm=False)]
+    return out
+
+
 def divergence(llm: LLM, rank: int) -> dict[str, Any]:
     """Rank 1 asks for another prompt: every rank must refuse the step, none may hang."""
     prompt = PROMPTS[0] if rank == 0 else PROMPTS[1]
@@ -108,7 +137,8 @@ def divergence(llm: LLM, rank: int) -> dict[str, Any]:
 def main(out_dir: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dist.init_process_group("gloo")
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)  # a hang prints where, and the rank still exits
+    dist.init_process_group("gloo", timeout=timedelta(seconds=WATCHDOG_S // 2))
     rank = dist.get_rank()
     path = flashpage.tiny_model_path()
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
@@ -118,6 +148,7 @@ def main(out_dir: str) -> None:
     llm = LLM(model, tok, max_num_seqs=8, kv_cache_memory=1 << 22)
     report["sampling"] = sampling(llm, rank)
     report["aborts"] = aborts(llm, rank)
+    report["driver"] = driver(llm, rank)
     report["divergence"] = divergence(llm, rank)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()

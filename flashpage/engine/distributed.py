@@ -16,14 +16,21 @@ forward, whose all-reduces join the shards. What keeps the ranks in step (:class
   the all-reduce different inputs (the usual cause: ranks added different requests or in a
   different order).
 
+Two ways to drive the ranks. SPMD (the default): every rank runs the same program and makes the
+same calls on its LLM. Driver/followers (:func:`drive` on rank 0, :func:`follow` on the others):
+only rank 0 adds requests (a server, a script reading input); at the start of each step it
+broadcasts what it added and aborted since the last step, and the followers step the same engine.
+
 This module imports neither transformers nor the cache; the engine calls it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,12 +89,42 @@ def _tp_group(model: Any) -> Any:
     return dist.group.WORLD
 
 
+@dataclass(frozen=True)
+class NewRequest:
+    """A request rank 0 added (driver mode), as the followers rebuild it."""
+
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    params: Any  # flashpage.SamplingParams
+
+
+@dataclass
+class StepInputs:
+    """What changes before a step schedules: requests added (followers only) and aborted (any rank)."""
+
+    adds: list[NewRequest] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    stop: bool = False  # driver mode: rank 0 released its followers
+
+
+_ABORTS, _DIGEST = 1, 2  # what a _gather_ints call is for
+
+
 class TPSync:
-    """The collectives one engine runs each step; every rank must call them in the same order."""
+    """The collectives one engine runs each step; every rank must call them in the same order.
+
+    ``role`` is "spmd" (every rank makes the same calls), or "driver" (rank 0) / "follower" (the
+    others) between :func:`drive` and the end of :func:`follow`.
+    """
 
     def __init__(self, info: TPInfo) -> None:
         self.info = info
+        self.role = "spmd"
+        self.stopped = False  # follower: rank 0 has released this rank
+        self.next_auto_id = 0  # follower, once released: rank 0's next automatic request id
         self._aborts: list[str] = []  # aborts made on this rank since the last step
+        self._adds: list[NewRequest] = []  # driver: requests added since the last step
 
     # ------------------------------------------------------------------ setup
     def agree_min(self, value: int) -> int:
@@ -97,6 +134,37 @@ class TPSync:
         return int(t.item())
 
     # ------------------------------------------------------------------ steps
+    def note_add(self, request: NewRequest) -> None:
+        """Driver: remember a request for the followers to add at the next step."""
+        if self.role == "driver":
+            self._adds.append(request)
+
+    def exchange(self) -> StepInputs:
+        """The inputs every rank applies before this step schedules."""
+        if self.role == "spmd":
+            return StepInputs(aborts=self.exchange_aborts())
+        return self._broadcast_inputs(stop=False)
+
+    def release_followers(self, next_auto_id: int) -> None:
+        """Driver: tell the followers to return from :func:`follow` (in place of a step), and from which
+        number on automatic request ids continue (so they match again in SPMD)."""
+        self._broadcast_inputs(stop=True, next_auto_id=next_auto_id)
+
+    def _broadcast_inputs(self, stop: bool, next_auto_id: int = 0) -> StepInputs:
+        driver = self.info.is_driver
+        mine = StepInputs(self._adds, self._aborts, stop) if driver else StepInputs()
+        self._adds, self._aborts = [], []
+        header = torch.tensor([len(mine.adds), len(mine.aborts), int(stop), next_auto_id], dtype=torch.int64,
+                              device=self.info.device)
+        dist.broadcast(header, group=self.info.group, group_src=0)
+        n_adds, n_aborts, stopping, self.next_auto_id = header.tolist()
+        if n_adds or n_aborts:
+            box: list[Any] = [mine if driver else None]
+            dist.broadcast_object_list(box, group=self.info.group, group_src=0, device=self.info.device)
+            mine = box[0]
+        self.stopped = bool(stopping) and not driver
+        return StepInputs([] if driver else mine.adds, mine.aborts, bool(stopping))  # rank 0 has its adds
+
     def note_abort(self, request_id: str) -> None:
         """Remember an abort made on this rank, for every rank to apply when the next step starts."""
         self._aborts.append(request_id)
@@ -104,7 +172,7 @@ class TPSync:
     def exchange_aborts(self) -> list[str]:
         """Every rank's aborts since the last step, in rank order (a no-op collective when none)."""
         local, self._aborts = self._aborts, []
-        counts = self._gather_ints(len(local))
+        counts = self._gather_ints(_ABORTS, len(local))
         if not any(counts):
             return []
         lists: list[list[str] | None] = [None] * self.info.size
@@ -116,7 +184,7 @@ class TPSync:
 
     def check_step(self, digest: int, what: str) -> None:
         """Raise :class:`RankDivergence` on every rank unless all ranks scheduled the same step."""
-        digests = self._gather_ints(digest)
+        digests = self._gather_ints(_DIGEST, digest)
         if len(set(digests)) > 1:
             odd = [r for r, d in enumerate(digests) if d != digests[0]]
             raise RankDivergence(
@@ -132,11 +200,18 @@ class TPSync:
         dist.broadcast(t, group=self.info.group, group_src=0)
         return t.tolist()
 
-    def _gather_ints(self, value: int) -> list[int]:
-        mine = torch.tensor([int(value)], dtype=torch.int64, device=self.info.device)
+    def _gather_ints(self, kind: int, value: int) -> list[int]:
+        """Every rank's ``value``; ``kind`` names the call, so ranks at different calls raise, not mix."""
+        mine = torch.tensor([kind, int(value)], dtype=torch.int64, device=self.info.device)
         out = [torch.empty_like(mine) for _ in range(self.info.size)]
         dist.all_gather(out, mine, group=self.info.group)
-        return [int(t.item()) for t in out]
+        pairs = [t.tolist() for t in out]
+        if any(k != kind for k, _v in pairs):
+            calls = [k for k, _v in pairs]
+            raise RankDivergence(f"tensor-parallel ranks are at different points of a step (calls {calls}, "
+                                 f"this rank {self.info.rank}): every rank must step its LLM the same number of "
+                                 "times; in driver mode rank 0 runs drive() while the others run follow()")
+        return [v for _k, v in pairs]
 
 
 def step_digest(parts: Iterable[tuple[str, int, int, list[int]]], preempted: Iterable[tuple[str, int]]) -> int:
@@ -150,3 +225,64 @@ def step_digest(parts: Iterable[tuple[str, int, int, list[int]]], preempted: Ite
     for rid, index in preempted:
         h.update(f"{rid}\x00{index}\x00".encode())
     return int.from_bytes(h.digest(), "little") >> 1
+
+
+def _sync_of(llm: Any) -> TPSync:
+    sync = getattr(llm, "_tp", None)
+    if sync is None:
+        raise ValueError("this LLM is not tensor-parallel (its model was not loaded with tp_plan= under torchrun); "
+                         "drive()/follow() are for tensor-parallel ranks only")
+    return sync
+
+
+@contextmanager
+def drive(llm: Any) -> Iterator[Any]:
+    """Rank 0: ``with drive(llm): ...`` makes this rank the only one that adds requests; the other
+    ranks, in :func:`follow`, receive them at each step. Leaving the block releases the followers."""
+    sync = _sync_of(llm)
+    if not sync.info.is_driver:
+        raise ValueError(f"drive() runs on tensor-parallel rank 0; this is rank {sync.info.rank}: call follow(llm)")
+    sync.role = "driver"
+    try:
+        yield llm
+    finally:
+        auto_id = next(llm._ids)  # followers continue automatic request ids from here, as rank 0 does
+        sync.release_followers(auto_id)
+        llm._ids = itertools.count(auto_id + 1)
+        sync.role = "spmd"
+
+
+def follow(llm: Any) -> int:
+    """Ranks other than 0: step ``llm`` in lockstep with rank 0's :func:`drive` block until it ends;
+    returns the number of steps run."""
+    sync = _sync_of(llm)
+    if sync.info.is_driver:
+        raise ValueError("follow() runs on tensor-parallel ranks other than 0; rank 0 drives: with drive(llm): ...")
+    sync.role, sync.stopped = "follower", False
+    steps = 0
+    try:
+        while True:
+            llm.step()
+            if sync.stopped:
+                llm._ids = itertools.count(sync.next_auto_id + 1)
+                return steps
+            steps += 1
+    finally:
+        sync.role, sync.stopped = "spmd", False
+
+
+def sync_rng(model: Any) -> None:
+    """Give every rank rank 0's global RNG state (CPU and current CUDA device), so a sampling
+    ``model.generate()`` draws the same tokens on every rank of a tensor-parallel model. Not needed
+    for :class:`flashpage.LLM`, which broadcasts its tokens."""
+    info = tp_info(model)
+    if info is None:
+        return
+    states: list[Any] = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    box: list[Any] = [states]
+    dist.broadcast_object_list(box, group=info.group, group_src=0, device=info.device)
+    torch.set_rng_state(box[0][0])
+    if len(box[0]) > 1 and torch.cuda.is_available():
+        torch.cuda.set_rng_state(box[0][1])

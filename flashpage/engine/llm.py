@@ -22,7 +22,7 @@ import torch
 
 from flashpage.cache import PagedKVCache, default_block_size
 from flashpage.engine.compiled import CompiledDecode, default_compile
-from flashpage.engine.distributed import TPSync, step_digest, tp_info
+from flashpage.engine.distributed import NewRequest, TPSync, step_digest, tp_info
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.sampler import Sampler
@@ -227,7 +227,7 @@ class LLM:
             finally:
                 for g in groups:
                     if not g.finished:
-                        self._finish_group(g, "abort")
+                        self._abort_here(g)
 
     # ---------------------------------------------------------------- inner
     def _exclusive(self, what: str):
@@ -249,7 +249,7 @@ class LLM:
         except BaseException:
             for g in groups:
                 if not g.finished:
-                    self._finish_group(g, "abort")
+                    self._abort_here(g)
             raise
         finally:
             if bar is not None:
@@ -307,6 +307,8 @@ class LLM:
         """Register a group built (and fully validated) by _make_group; cannot fail half-way."""
         self._groups[group.request_id] = group
         self.scheduler.add(group.seqs[0])
+        if self._tp is not None:  # driver mode: the followers add it at the next step
+            self._tp.note_add(NewRequest(group.request_id, group.prompt, group.prompt_token_ids, group.params))
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -338,7 +340,9 @@ class LLM:
                              "(num_blocks= or kv_cache_memory=) or shorten the prompt")
 
     def _step(self) -> list[Group]:
-        aborted = self._tp_aborts() if self._tp is not None else []
+        aborted = self._tp_inputs() if self._tp is not None else []
+        if self._tp is not None and self._tp.stopped:  # a follower released by rank 0: no step
+            return aborted
         schedule = self.scheduler.schedule()
         if self._tp is not None:
             self._tp_check(schedule)
@@ -361,10 +365,16 @@ class LLM:
             self.kv.blocks.check_invariants()
         return aborted + touched
 
-    def _tp_aborts(self) -> list[Group]:
-        """Tensor parallel: apply the aborts any rank made since the last step (see distributed.py)."""
+    def _tp_inputs(self) -> list[Group]:
+        """Tensor parallel: add what rank 0 added (followers), apply the aborts any rank made since the
+        last step (see distributed.py); returns the aborted groups."""
         assert self._tp is not None
-        groups = [self._groups[rid] for rid in self._tp.exchange_aborts() if rid in self._groups]
+        inputs = self._tp.exchange()
+        for r in inputs.adds:
+            group = self._make_group(r.token_ids, r.params, r.request_id)
+            group.prompt = r.prompt
+            self._enqueue(group)
+        groups = [self._groups[rid] for rid in inputs.aborts if rid in self._groups]
         for g in groups:
             self._finish_group(g, "abort")
         return groups
@@ -499,6 +509,13 @@ class LLM:
         if group.finished:
             group.metrics.finish_time = time.perf_counter()
             self._groups.pop(group.request_id, None)
+
+    def _abort_here(self, group: Group) -> None:
+        """End a request of a generate()/stream() left early, now; under tensor parallelism the other
+        ranks (if they still run it) end it when the next step starts."""
+        self._finish_group(group, "abort")
+        if self._tp is not None:
+            self._tp.note_abort(group.request_id)
 
     def _finish_group(self, group: Group, reason: str) -> None:
         while len(group.seqs) < group.params.n:  # samples never forked end too

@@ -66,6 +66,8 @@ def test_patched_generate_matches_single_process(ranks: list[dict[str, Any]], si
     want = model.generate(**batch, max_new_tokens=12, do_sample=False).tolist()  # transformers, unpatched
     for r in ranks:
         assert r["generate"]["sequences"] == want
+    # sampling generate(): sync_rng() gives every rank rank 0's RNG, so the draws agree
+    assert ranks[0]["generate"]["sampled"] == ranks[1]["generate"]["sampled"] != want
     # each rank stores its own KV head (of 2) for the same tokens: half the single-process bytes
     flashpage.patch(model)
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 import flashpage
 from flashpage import LLM, SamplingParams
-from flashpage.engine.distributed import drive, follow
+from flashpage.engine.distributed import drive, follow, sync_rng
 
 PROMPTS = ["The list", "A module is", "If the file", "Return the number of", "The default value is",
            "This module provides"]
@@ -29,17 +30,21 @@ PREEMPT = {"num_blocks": 10, "block_size": 16, "max_num_seqs": 8, "max_num_batch
 PREEMPT_PARAMS = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 
-def hf_generate(model: Any, tok: Any) -> dict[str, Any]:
-    """Greedy patched generate() on a left-padded batch; the pages each rank holds."""
+def hf_generate(model: Any, tok: Any, rank: int) -> dict[str, Any]:
+    """Greedy patched generate() on a left-padded batch; the pages each rank holds; sampling after
+    sync_rng() (each rank's RNG seeded differently first)."""
     batch = tok(PROMPTS[:3], return_tensors="pt", padding=True, padding_side="left")
     flashpage.patch(model)
     try:
         out = model.generate(**batch, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+        torch.manual_seed(4000 + rank)
+        sync_rng(model)
+        sampled = model.generate(**batch, max_new_tokens=12, do_sample=True, top_k=0)
     finally:
         flashpage.unpatch(model)
     stats = out.cache.memory_stats()
     return {"sequences": out.sequences.tolist(), "kv_heads": out.cache.kv.num_kv_heads,
-            "bytes_in_use": stats.bytes_in_use, "tokens_stored": stats.tokens_stored}
+            "bytes_in_use": stats.bytes_in_use, "tokens_stored": stats.tokens_stored, "sampled": sampled.tolist()}
 
 
 def greedy_llm(model: Any, tok: Any) -> dict[str, Any]:
@@ -143,7 +148,7 @@ def main(out_dir: str) -> None:
     path = flashpage.tiny_model_path()
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
     tok = AutoTokenizer.from_pretrained(path)
-    report: dict[str, Any] = {"generate": hf_generate(model, tok), "greedy": greedy_llm(model, tok),
+    report: dict[str, Any] = {"generate": hf_generate(model, tok, rank), "greedy": greedy_llm(model, tok),
                               "preemption": preemption_llm(model, tok)}
     llm = LLM(model, tok, max_num_seqs=8, kv_cache_memory=1 << 22)
     report["sampling"] = sampling(llm, rank)
@@ -153,6 +158,11 @@ def main(out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip C++ static destructors: gloo's threads were seen to abort the process there about 1 run in 10
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("kernels", "paged decode kernel vs dense SDPA"),
                            ("generate", "patched vs unpatched generate()"),
                            ("engine", "LLM vs HF generate() and HF continuous batching"),
-                           ("hotpath", "per-layer overhead: eager/compiled generate(), LLM(compile=True)")):
+                           ("hotpath", "per-layer overhead: eager/compiled generate(), LLM(compile=True)"),
+                           ("tp", "tensor parallel: per-rank KV memory and throughput, 1 and 2 ranks")):
         b = bsub.add_parser(name, help=helptext)
         b.add_argument("--json", action="store_true", help="print JSON")
         b.add_argument("--plot", metavar="FILE.png", default=None, help="also write a plot")
@@ -78,8 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "engine":
             b.add_argument("--workload", choices=("mixed", "shared-prefix"), default="mixed")
             _add_model(b)
-        if name == "generate":
+        if name in ("generate", "tp"):
             _add_model(b)
+        if name == "tp":
+            b.add_argument("--tp-sizes", default="1,2",
+                           help="rank counts to run, each under its own torchrun on this machine (default 1,2); "
+                                "ignored when launched by torchrun (the launch decides)")
     p.set_defaults(func=_bench)
     return parser
 

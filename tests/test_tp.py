@@ -140,3 +140,22 @@ def test_divergent_ranks_both_raise(ranks: list[dict[str, Any]]) -> None:
         assert d["error"] is not None and "scheduled a different step" in d["error"]
         assert "same prompts" in d["error"]
         assert d["running"] == d["waiting"] == 0
+
+
+def test_bench_tp_reports_per_rank_kv_and_agreement(tmp_path: Path) -> None:
+    """`flashpage bench tp --quick`: one torchrun per size; a rank of 2 holds half the KV bytes per token."""
+    cmd = [sys.executable, "-m", "flashpage.cli", "bench", "tp", "--quick", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    one, two = result["runs"]
+    assert (one["tp_size"], two["tp_size"]) == (1, 2) and result["outputs_agree"]
+    assert two["ranks_agree"] and two["tokens_equal_tp1"]
+    (solo,), halves = one["ranks"], two["ranks"]
+    assert [r["rank"] for r in halves] == [0, 1]
+    for r in halves:
+        assert (solo["kv_heads"], r["kv_heads"]) == (2, 1)
+        assert 2 * r["kv_bytes_per_token"] == solo["kv_bytes_per_token"]
+        assert 2 * r["pool_bytes"] == solo["pool_bytes"] and 0 < r["peak_kv_bytes"] <= r["pool_bytes"]
+        assert r["output_tokens_per_s"] > 0

@@ -22,8 +22,9 @@
 MODEL = None  # None = the built-in tiny model (offline); or a hub id / local path, e.g. on a GPU machine
 DEVICE = "cpu"  # "cuda" on a GPU machine
 DTYPE = "float32"  # "bfloat16" or "float16" on a GPU
-NUM_PROMPTS = 24
+NUM_PROMPTS = 32
 MAX_TOKENS = 48  # the longest output; each request asks for its own length up to this
+MAX_IN_FLIGHT = 8  # sequences decoded together at most, by LLM and by transformers' padded batches alike
 NUM_CHECKED = 3  # requests also run one by one with transformers and compared token for token
 KV_CACHE_MEMORY = 64 * 2**20  # bytes (not GiB) of KV pages; None = default (CPU: sized from the model; GPU: free)
 SEED = 1234
@@ -74,7 +75,7 @@ STARTS = [
 prompts = [STARTS[i % len(STARTS)] + (" the" if i // len(STARTS) % 2 else "") for i in range(NUM_PROMPTS)]
 params = [SamplingParams(max_tokens=1 + (7 + 13 * i) % MAX_TOKENS, temperature=0.0) for i in range(NUM_PROMPTS)]
 
-llm = LLM(model, tokenizer, kv_cache_memory=KV_CACHE_MEMORY)
+llm = LLM(model, tokenizer, kv_cache_memory=KV_CACHE_MEMORY, max_num_seqs=MAX_IN_FLIGHT)
 llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
 start = time.perf_counter()
 outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -111,20 +112,27 @@ for i in range(NUM_CHECKED):
     print(f"request {i}: {len(ref_ids)} tokens, identical to transformers generate()")
 
 # %% [markdown]
-# The usual way to batch with transformers: one left-padded batch, generated up to the longest
-# request; each row is then cut to its own length (and EOS), the rest is wasted work.
+# The usual way to batch with transformers: left-padded batches of `MAX_IN_FLIGHT` prompts (the
+# same number of sequences in flight as the engine gets), each generated up to its longest
+# request; each row is then cut to its own length (and EOS), the rest is wasted work. The
+# engine instead refills a finished request's place at once.
 
 # %%
 tokenizer.padding_side = "left"
-batch = tokenizer(prompts, return_tensors="pt", padding=True).to(DEVICE)
-width = batch["input_ids"].shape[1]
-with torch.inference_mode():
-    model.generate(**batch, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)  # warm-up
-    start = time.perf_counter()
-    padded = model.generate(
-        **batch, max_new_tokens=max(p.max_tokens for p in params), do_sample=False, pad_token_id=tokenizer.pad_token_id
-    )
-    hf_batch_seconds = time.perf_counter() - start
+padded_rows = []
+hf_batch_seconds = 0.0
+for first in range(0, NUM_PROMPTS, MAX_IN_FLIGHT):
+    chunk = slice(first, first + MAX_IN_FLIGHT)
+    batch = tokenizer(prompts[chunk], return_tensors="pt", padding=True).to(DEVICE)
+    width = batch["input_ids"].shape[1]
+    with torch.inference_mode():
+        if first == 0:  # warm-up
+            model.generate(**batch, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        start = time.perf_counter()
+        padded = model.generate(**batch, max_new_tokens=max(p.max_tokens for p in params[chunk]), do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id)
+        hf_batch_seconds += time.perf_counter() - start
+    padded_rows += padded[:, width:].tolist()
 eos = model.generation_config.eos_token_id
 eos = set(eos) if isinstance(eos, (list, tuple)) else {tokenizer.eos_token_id if eos is None else eos}
 
@@ -136,7 +144,7 @@ def cut(row, max_tokens):
     return row[:end]
 
 
-rows = [cut(r, p.max_tokens) for r, p in zip(padded[:, width:].tolist(), params, strict=True)]
+rows = [cut(r, p.max_tokens) for r, p in zip(padded_rows, params, strict=True)]
 hf_batch_tokens = sum(len(r) for r in rows)
 agree = sum(r == o.token_ids for r, o in zip(rows, outputs, strict=True))
 print(f"padded batch: {hf_batch_tokens} useful tokens in {hf_batch_seconds:.2f} s; {agree}/{len(rows)} rows equal")
@@ -205,8 +213,8 @@ import matplotlib.pyplot as plt
 
 systems = {
     f"transformers\none by one ({NUM_CHECKED} req.)": hf_tokens / hf_single_seconds,
-    f"transformers\npadded batch ({NUM_PROMPTS})": hf_batch_tokens / hf_batch_seconds,
-    f"flashpage.LLM\n({NUM_PROMPTS} requests)": llm_tokens / llm_seconds,
+    f"transformers\npadded batches of {MAX_IN_FLIGHT}": hf_batch_tokens / hf_batch_seconds,
+    f"flashpage.LLM\n({MAX_IN_FLIGHT} in flight)": llm_tokens / llm_seconds,
 }
 fig, ax = plt.subplots(figsize=(7, 4))
 bars = ax.bar(list(systems), list(systems.values()), color=["#999999", "#6699cc", "#ee7733"])

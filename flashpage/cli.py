@@ -1,4 +1,4 @@
-"""The ``flashpage`` command: info, generate, demo and bench (kernels, generate, engine)."""
+"""The ``flashpage`` command: info, generate, demo, serve and bench (kernels, generate, engine, serve)."""
 
 from __future__ import annotations
 
@@ -33,9 +33,71 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.bench == "serve":
+        from flashpage.bench.serve import run_cli
+
+        return run_cli(args)
     from flashpage.bench.runner import run_bench
 
     return run_bench(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from flashpage.serve.server import ServeOptions, run_server
+    except ImportError as exc:
+        print(f"flashpage serve: needs the serve extra ({exc}); pip install 'flashpage[serve]'", file=sys.stderr)
+        return 2
+    engine = {"block_size": args.block_size, "num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+              "enable_prefix_caching": args.enable_prefix_caching, "kv_cache_memory": args.kv_cache_memory,
+              "gpu_memory_utilization": args.gpu_memory_utilization, "dtype": args.dtype, "device": args.device}
+    options = ServeOptions(model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
+                           max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
+                           chat_template=args.chat_template, log_level=args.log_level,
+                           engine={k: v for k, v in engine.items() if v is not None})
+    return run_server(options)
+
+
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)")
+    _add_model(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template overriding the model's")
+    p.add_argument("--max-waiting-requests", type=int, default=512,
+                   help="queued requests at most; more get 503 + Retry-After (default 512)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds running requests may take to finish (default 30)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    g = p.add_argument_group("engine options (flashpage.LLM)")
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--num-blocks", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    g.add_argument("--dtype", default=None, help="float32 (default), float16 or bfloat16")
+    g.add_argument("--device", default=None, help="e.g. cuda (default: cpu)")
+    p.set_defaults(func=_serve)
+
+
+def _add_bench_serve(bsub: Any) -> None:
+    b = bsub.add_parser("serve", help="Poisson arrivals against an HTTP server (flashpage, transformers serve)")
+    b.add_argument("--base-url", default=None, help="a running server (default: start `flashpage serve` here)")
+    _add_model(b)
+    b.add_argument("--request-rates", default="2,4,8,inf", help="requests/s, comma-separated (default 2,4,8,inf)")
+    b.add_argument("--num-prompts", type=int, default=32, help="requests per rate (default 32)")
+    b.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--no-transformers", dest="transformers", action="store_false",
+                   help="skip the `transformers serve` comparison")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.add_argument("--plot", metavar="FILE.png", default=None, help="also write a plot")
+    b.add_argument("--quick", action="store_true", help="a smaller, faster run")
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -85,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
             b.add_argument("--tp-sizes", default="1,2",
                            help="rank counts to run, each under its own torchrun on this machine (default 1,2); "
                                 "ignored when launched by torchrun (the launch decides)")
+    _add_bench_serve(bsub)
     p.set_defaults(func=_bench)
+    _add_serve(sub)
     return parser
 
 

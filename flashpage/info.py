@@ -1,4 +1,5 @@
-"""``flashpage info``: versions, devices, and which kernel each entry point takes here and why."""
+"""``flashpage info``: versions (and whether they are in the supported range), devices, and which
+kernel each entry point takes here and why."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 
 from flashpage.cache import default_block_size
+from flashpage.engine.compiled import default_compile
 from flashpage.kernels import backend_info, dispatch
 
 
@@ -17,6 +19,17 @@ def _version(dist: str) -> str:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return "not installed"
+
+
+def _support() -> list[dict[str, Any]]:
+    """transformers and torch against the supported range (``flashpage.patches.compat``)."""
+    try:
+        from flashpage.patches.compat import support_status
+    except Exception as exc:  # the patches refuse to import on this transformers: say why
+        return [{"name": "transformers", "version": _version("transformers"), "required": "see reason",
+                 "supported": False, "summary": f"transformers {_version('transformers')}: NOT supported ({exc})"}]
+    return [{"name": s.name, "version": s.version, "required": s.required, "supported": s.supported,
+             "summary": s.describe()} for s in support_status()]
 
 
 def _devices() -> list[str]:
@@ -49,21 +62,33 @@ def collect_info() -> dict[str, Any]:
         "flash_attn": _version("flash-attn"),
         "flash_attn_4": _version("flash-attn-4"),
         "flash_backends": {key: dispatch.import_status(key) or "importable" for key in ("fa2", "fa3", "fa4")},
+        "supported_versions": _support(),
         "cuda_available": torch.cuda.is_available(),
         "devices": _devices(),
         "default_block_size": {d: default_block_size(d) for d in (["cpu", "cuda"] if torch.cuda.is_available()
                                                                    else ["cpu"])},
         "kernels": kernels,
+        "compiled_decode": {d: default_compile(torch.device(d)) for d in (["cpu", "cuda"] if torch.cuda.is_available()
+                                                                         else ["cpu"])},
     }
+
+
+def _compile_label(device: str, on: bool) -> str:
+    if not on:
+        return "off (LLM(compile=True) to opt in)"
+    return "on (CUDA graphs)" if device == "cuda" else "on"
 
 
 def format_info(info: dict[str, Any]) -> str:
     lines = [f"flashpage {info['flashpage']}  (python {info['python']}, torch {info['torch']}, "
              f"transformers {info['transformers']}, accelerate {info['accelerate']}, "
              f"flash-attn {info['flash_attn']})",
+             "supported range: " + "; ".join(s["summary"] for s in info["supported_versions"]),
              "devices: " + ", ".join(info["devices"]),
              "flash-attn backends: " + "; ".join(f"{k}: {v}" for k, v in info["flash_backends"].items()),
              "default block size: " + ", ".join(f"{k}={v}" for k, v in info["default_block_size"].items()),
+             "LLM compiled decode steps by default: " + ", ".join(
+                 f"{k}={_compile_label(k, v)}" for k, v in info["compiled_decode"].items()),
              "kernels:"]
     for k in info["kernels"]:
         lines.append(f"  {k['entry_point']:<24} {k['device']:<5} {k['dtype']:<9} block {k['block_size']:<4} "

@@ -95,6 +95,9 @@ class StepPlan:
     pad_visible: torch.Tensor | None = None  # (R,) keys each of them sees
     pages: object = None  # the PagedKVCache whose pages the layers read (set by PagedKVCache.plan)
     host_ints: torch.Tensor | None = None  # the int32 buffer block_table .. cu_seqlens_k are views of
+    # packed input, varlen mode: runs of sequences with one query length, (first token, first
+    # sequence, sequences, query length) each: the PyTorch kernels attend run by run
+    segments: list[tuple[int, int, int, int]] | None = None
     _on_device: dict[torch.device, DeviceStep] = field(default_factory=dict, repr=False)
 
     @property
@@ -146,7 +149,10 @@ class DeviceStep:
 
     def write(self, k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k (N, Hk, D) / v (N, Hk, Dv), one row per input position, into the pages."""
-        paged.store(k_pages, v_pages, k, v, self.input_slots, self.all_written)
+        if torch.compiler.is_compiling():
+            paged.store_op(k_pages, v_pages, k, v, self.input_slots, self.all_written)
+        else:
+            paged.store(k_pages, v_pages, k, v, self.input_slots, self.all_written)
 
     def attend(self, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
                s_aux: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,9 +175,9 @@ class DeviceStep:
 
     def _kvcache(self, qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
                  s_aux: torch.Tensor | None) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # every column: shapes never depend on lengths
-            return paged.attend_static(qh, k_pages, v_pages, self.block_table, self.seqlens_k, opts, s_aux,
-                                       empty_rows=self.empty_rows)
+        if torch.compiler.is_compiling():  # an opaque op over the whole table: shapes never depend on lengths
+            return paged.attend_compiled(qh, k_pages, v_pages, self.block_table, self.seqlens_k, opts, s_aux,
+                                         self.empty_rows)
         table = self.block_table[:, : self.read_blocks]
         kernel = dispatch.layer_kernel(qh.device, qh.dtype, self.plan.block_size, s_aux is not None,
                                        opts.softcap > 0, qh.shape[-1])
@@ -190,9 +196,32 @@ class DeviceStep:
             mask = self._masks[key] = paged.visible_keys(self.seqlens_k, seqlen_q, width, causal, opts.window_size)
         return mask
 
+    def _segments(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
+                  s_aux: torch.Tensor | None) -> torch.Tensor:
+        """A packed step on the PyTorch kernels: each run of sequences with one query length
+        (the engine's decodes, each prefill chunk) is one static-shape kvcache call."""
+        outs = []
+        for i, (token0, seq0, n, sq) in enumerate(self.plan.segments):
+            qh = q[token0: token0 + n * sq].view(n, sq, *q.shape[1:]).transpose(1, 2)
+            rows = slice(seq0, seq0 + n)
+            seqlens = self.seqlens_k[rows]
+            table = self.block_table[rows, : -(-max(self.plan.key_lens[rows]) // self.plan.block_size)]
+            causal = opts.causal and sq > 1
+            key = (i, causal, opts.window_size)
+            mask = self._masks.get(key)
+            if mask is None:
+                width = table.shape[1] * k_pages.shape[1]
+                mask = self._masks[key] = paged.visible_keys(seqlens, sq, width, causal, opts.window_size)
+            out = paged.attend_static(qh, k_pages, v_pages, table, seqlens, opts, s_aux, mask, self.empty_rows)
+            outs.append(out.transpose(1, 2).reshape(n * sq, *out.shape[1:2], out.shape[-1]))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
     def _varlen(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
                 s_aux: torch.Tensor | None) -> torch.Tensor:
         plan = self.plan
+        if plan.segments is not None and dispatch.layer_kernel(q.device, q.dtype, plan.block_size, s_aux is not None,
+                                                               opts.softcap > 0, q.shape[-1]) is None:
+            return self._segments(q, k_pages, v_pages, opts, s_aux)
         flat = q if self.token_index is None else q.index_select(0, self.token_index)
         out = dispatch.layer_varlen(flat, k_pages, v_pages, self.cu_seqlens_q, self.cu_seqlens_k,
                                     plan.max_seqlen_q, plan.max_seqlen_k, self.block_table, opts, s_aux,
@@ -300,6 +329,8 @@ def build_plan(seq_ids: list[Hashable], query_lens: list[int], context_lens: lis
     if layout is None or (layout.real is None and len(slots) == layout.rows * layout.length):
         plan.mode = "kvcache" if plan.uniform_query and plan.max_seqlen_q > 0 else "varlen"
         plan.empty_rows = min(key_lens, default=0) < plan.max_seqlen_q
+        if plan.mode == "varlen" and min(query_lens, default=0) > 0:
+            plan.segments = _runs(query_lens)
         return plan
     plan.empty_rows = min(key_lens, default=0) < layout.length
     if layout.real is None:  # every position real, some of them cached
@@ -365,3 +396,14 @@ def pad_decode(plan: StepPlan, rows: int) -> StepPlan:
         max_seqlen_q=1, max_seqlen_k=plan.max_seqlen_k, uniform_query=True, key_lens=plan.key_lens + [0] * extra,
         all_written=False, empty_rows=True, pages=plan.pages,
     )
+
+
+def _runs(query_lens: list[int]) -> list[tuple[int, int, int, int]]:
+    """(first token, first sequence, sequences, query length) of each run of equal query lengths."""
+    runs: list[tuple[int, int, int, int]] = []
+    token = seq = 0
+    for sq, group in itertools.groupby(query_lens):
+        n = len(list(group))
+        runs.append((token, seq, n, sq))
+        token, seq = token + n * sq, seq + n
+    return runs

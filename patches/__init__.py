@@ -4,9 +4,15 @@
 cache and makes ``generate()`` use it; ``unpatch`` undoes it; ``patched`` scopes it.
 """
 
-from flashpage.patches.attention import ATTN_NAME
-from flashpage.patches.hf_cache import HFPagedCache, MemoryStats
-from flashpage.patches.patching import UnsupportedModelError, is_patched, patch, patched, unpatch
+from flashpage.patches.compat import UnsupportedTransformersError, require_supported_transformers
 
-__all__ = ["ATTN_NAME", "HFPagedCache", "MemoryStats", "UnsupportedModelError", "is_patched", "patch",
-           "patched", "unpatch"]
+try:
+    from flashpage.patches.attention import ATTN_NAME
+    from flashpage.patches.hf_cache import HFPagedCache, MemoryStats
+    from flashpage.patches.patching import UnsupportedModelError, is_patched, patch, patched, unpatch
+except ImportError:  # a transformers without the APIs flashpage uses: name the supported range instead
+    require_supported_transformers()
+    raise
+
+__all__ = ["ATTN_NAME", "HFPagedCache", "MemoryStats", "UnsupportedModelError", "UnsupportedTransformersError",
+           "is_patched", "patch", "patched", "unpatch"]

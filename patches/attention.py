@@ -143,4 +143,4 @@ def _eager(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
 def register() -> None:
     """Register the attention and mask functions under ``ATTN_NAME`` (idempotent)."""
     AttentionInterface.register(ATTN_NAME, pagedkv_attention)
-    AttentionMaskInterface.register(ATTN_NAME, paged_mask)
+    AttentionMaskInterface.register(ATTN_NAME, paged_mask)  # forwards whatever this transformers passes

@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flashpage.cache import DeviceStep, InputLayout, PagedKVCache, StepPlan, default_block_size
 from flashpage.errors import check_positive_ints
+from flashpage.patches.compat import legacy_crop
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,16 @@ class _PagedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         return self._parent.update(key_states, value_states, self._layer_idx)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         return self._parent.get_mask_sizes(query_length)
 
     def get_seq_length(self) -> int:
         return self._parent.get_seq_length()
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # the name of get_max_length before transformers 5.14 (abstract there)
         return -1
 
     def reset(self) -> None:
@@ -142,7 +146,7 @@ class HFPagedCache(Cache):
         self.num_layers = num_layers
         self._requested_blocks = num_blocks
         self._block_size = block_size
-        self.max_cache_len = max_cache_len
+        self._max_cache_len = max_cache_len
         self.enable_prefix_caching = enable_prefix_caching
         self.growable = growable
         self.dense_view = dense_view
@@ -182,14 +186,29 @@ class HFPagedCache(Cache):
     def batch_size(self) -> int:
         return len(self.rows) if self.rows else -1
 
+    @property
+    def max_cache_len(self) -> int | None:
+        """Expected tokens per sequence (sizing hint; None: sized from the first forward).
+
+        Its own attribute: transformers' ``Cache`` has a read-only property of this name before 5.20."""
+        return self._max_cache_len
+
+    @max_cache_len.setter
+    def max_cache_len(self, value: int | None) -> None:
+        self._max_cache_len = value
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Logical (padded) length, as transformers counts it."""
         return self._logical_len
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        """(kv_length, kv_offset) of transformers' masks. Under ``torch.compile`` the width is the
-        cache's fixed ``max_cache_len``, as a static cache's is, so shapes do not change per step (the
-        paged path never reads this mask; the dense path uses its first logical columns)."""
+    def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
+        """(kv_length, kv_offset) of transformers' masks. ``query_length`` is the new tokens'
+        ``cache_position`` tensor before transformers 5.5 (its length is the query length), an int
+        after. Under ``torch.compile`` the width is the cache's fixed ``max_cache_len``, as a static
+        cache's is, so shapes do not change per step (the paged path never reads this mask; the dense
+        path uses its first logical columns)."""
+        if isinstance(query_length, torch.Tensor):
+            query_length = int(query_length.shape[0])
         if self.max_cache_len and torch.compiler.is_compiling():
             return self.max_cache_len, 0
         return self._logical_len + query_length, 0
@@ -202,6 +221,9 @@ class HFPagedCache(Cache):
         return self._logical_len
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # get_max_length before transformers 5.14
         return -1
 
     def activate_past_recording(self) -> None:
@@ -238,10 +260,15 @@ class HFPagedCache(Cache):
         self._select([i for i in range(len(self.rows)) for _ in range(repeats)])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` tokens (transformers 5: ``crop(-n)``; ``crop(0)`` is a no-op)."""
+        """Drop the last ``-tokens_to_remove`` tokens (transformers 5: ``crop(-n)``; ``crop(0)`` is a no-op).
+
+        Where the installed transformers still crops to a length (``crop(n)``, n > 0, keeps the first
+        n tokens: what its generate() calls before 5.14), that is accepted too."""
         if tokens_to_remove > 0:
-            raise ValueError(f"HFPagedCache.crop({tokens_to_remove}): pass a negative number of tokens to remove "
-                             "(transformers 5 semantics), e.g. crop(-2)")
+            if not legacy_crop():
+                raise ValueError(f"HFPagedCache.crop({tokens_to_remove}): pass a negative number of tokens to "
+                                 "remove (transformers 5 semantics), e.g. crop(-2)")
+            tokens_to_remove = min(0, tokens_to_remove - self._logical_len)
         if tokens_to_remove == 0 or self.kv is None:
             return
         remove = min(-tokens_to_remove, self._logical_len)

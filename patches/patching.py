@@ -25,11 +25,15 @@ import torch.nn.functional as F
 
 from flashpage.errors import check_positive_ints
 from flashpage.patches.attention import ATTN_NAME, register
+from flashpage.patches.compat import cache_kwarg, require_supported_transformers
 from flashpage.patches.families import FamilySpec, family_for
 from flashpage.patches.hf_cache import HFPagedCache
 
 _STATE_ATTR = "_flashpage_patch"
 _CACHE_KWARGS = ("cache", "past_key_values")
+# cache_implementation values that ask for no particular cache: before 5.24, assisted decoding sets
+# "dynamic_full" on the assistant only to get a croppable cache with every token (what HFPagedCache is).
+_NO_CACHE_CHOICE = (None, "dynamic_full")
 
 
 @dataclass
@@ -62,6 +66,7 @@ def patch(model: torch.nn.Module, **cache_options: Any) -> torch.nn.Module:
     Returns:
         The same model, patched in place. Patching again only updates ``cache_options``.
     """
+    require_supported_transformers()
     _check_cache_options(cache_options)
     state: PatchState | None = getattr(model, _STATE_ATTR, None)
     if state is not None:
@@ -292,8 +297,8 @@ def _prepare_paged_cache(self, generation_config, model_kwargs: dict, generation
         warnings.warn(_SWITCHED.format(name=switched), UserWarning, stacklevel=3)
         unpatch(self)
         return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
-    wants_other = (model_kwargs.get("cache") is not None or generation_config.use_cache is False
-                   or generation_config.cache_implementation is not None
+    wants_other = (any(model_kwargs.get(k) is not None for k in _CACHE_KWARGS) or generation_config.use_cache is False
+                   or generation_config.cache_implementation not in _NO_CACHE_CHOICE
                    or not self._supports_default_dynamic_cache())
     if wants_other:
         return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
@@ -303,7 +308,7 @@ def _prepare_paged_cache(self, generation_config, model_kwargs: dict, generation
     if "num_blocks" not in options:
         options["num_blocks"] = _blocks_for(batch_size, expand, max_cache_length, options.get("block_size"),
                                             self.device, model_kwargs.get("attention_mask"))
-    model_kwargs["cache"] = HFPagedCache(self.config, **options)
+    model_kwargs[cache_kwarg(self)] = HFPagedCache(self.config, **options)  # the key generate() reads back
     return None
 
 

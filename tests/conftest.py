@@ -10,7 +10,11 @@ import warnings
 from collections.abc import Iterator
 
 import pytest
+import torch
+from engine_helpers import engine_model
 from model_zoo import torch_threads
+
+from flashpage.patches import unpatch
 
 
 @pytest.fixture(scope="module")
@@ -24,3 +28,24 @@ def quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
+
+
+@pytest.fixture(scope="module")
+def model() -> Iterator[torch.nn.Module]:
+    """The engine tests' tiny llama (a module's tests share it; unpatched at the end)."""
+    m = engine_model()
+    yield m
+    unpatch(m)
+
+
+@pytest.fixture
+def fresh_backends() -> Iterator[None]:
+    """One thread, and flash-attn imported afresh before and after (tests that swap backends)."""
+    from flashpage.kernels import dispatch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dispatch.clear_backend_cache()
+    yield
+    dispatch.clear_backend_cache()
+    torch.set_num_threads(threads)

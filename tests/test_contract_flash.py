@@ -21,18 +21,11 @@ import torch
 
 from flashpage.kernels import dispatch, flash_attn_varlen_func, flash_attn_with_kvcache, flash_backends
 
-pytestmark = pytest.mark.skipif(not fs.available(), reason="../shared/flash-attn-real/ not present")
+pytestmark = [pytest.mark.skipif(not fs.available(), reason="../shared/flash-attn-real/ not present"),
+              pytest.mark.usefixtures("fresh_backends")]
 TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    dispatch.clear_backend_cache()
-    yield
-    dispatch.clear_backend_cache()
-    torch.set_num_threads(threads)
 
 
 def _clone(case: dict) -> dict:

@@ -18,21 +18,14 @@ from flashpage import LLM, SamplingParams
 from flashpage.kernels import dispatch
 from flashpage.testing import compare_greedy
 
-pytestmark = pytest.mark.skipif(not fs.available(), reason="../shared/flash-attn-real/ not present")
+pytestmark = [pytest.mark.skipif(not fs.available(), reason="../shared/flash-attn-real/ not present"),
+              pytest.mark.usefixtures("fresh_backends")]
 GAP = 0.05  # fp16: the largest top-2 logit gap at which the first differing token counts as a tie
 RUNS = [("llama", "fa2", "v2.5.9", 256), ("llama", "fa3", "before-pr1851", 16), ("gemma2", "fa2", "HEAD", 256),
         ("gemma2", "fa4", "100", 16), ("gpt_bigcode", "fa3", "HEAD", 16), ("mistral", "fa4", "90", 16),
         ("qwen2", "fa2", "v2.6.1", 256)]
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    dispatch.clear_backend_cache()
-    yield
-    dispatch.clear_backend_cache()
-    torch.set_num_threads(threads)
 
 
 def _load(key: str, tag: str):

@@ -8,19 +8,11 @@ The block invariant is checked after every step (LLM(check_invariants=True)).
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_matches_hf, engine_model, random_prompts
+from engine_helpers import assert_matches_hf, random_prompts
 
 from flashpage import LLM, SamplingParams
-from flashpage.patches import unpatch
 
 MAX_NEW = 12
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = engine_model()
-    yield m
-    unpatch(m)
 
 
 @pytest.fixture(scope="module")

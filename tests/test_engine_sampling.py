@@ -6,17 +6,10 @@ import math
 
 import pytest
 import torch
-from engine_helpers import engine_model, hf_greedy, random_prompts
+from engine_helpers import hf_greedy, random_prompts
 
 from flashpage import LLM, SamplingParams
 from flashpage.patches import unpatch
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = engine_model()
-    yield m
-    unpatch(m)
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +90,17 @@ def test_abort_frees_every_block(llm, prompts):
     assert llm.stats().blocks_used > 0
     for rid in ids:
         llm.abort(rid)
-    assert not llm.has_unfinished_requests()
     assert llm.stats().blocks_used == 0
     llm.kv.blocks.check_invariants()
-    with pytest.raises(KeyError, match="no running or waiting request"):
-        llm.abort(ids[0])
+    llm.abort(ids[0])  # again: a no-op, as is an unknown id
+    llm.abort("no-such-request")
+    assert llm.has_unfinished_requests()  # the aborted outputs are still to be reported
+    reported = llm.step()
+    assert sorted(o.request_id for o in reported) == sorted(ids)
+    assert all(o.finished and o.finish_reason == "abort" for o in reported)
+    assert not llm.has_unfinished_requests() and llm.step() == []  # reported once
+    llm.abort(ids[0])  # an ended request: still a no-op
+    assert not llm.has_unfinished_requests()
 
 
 def test_max_tokens_and_length_reason(llm, prompts):

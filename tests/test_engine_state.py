@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import engine_model
 
 import flashpage
 from flashpage import LLM, SamplingParams
@@ -29,13 +28,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # byte-level BPE ids of the tiny model's tokenizer that decode to pieces of multi-byte characters
 # ('é€ 😀 café'), so the text passes through incomplete UTF-8 between tokens
 MULTIBYTE_IDS = [128, 103, 159, 225, 106, 221, 173, 254, 247, 223, 1259, 70, 128, 103]
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = engine_model()
-    yield m
-    unpatch(m)
 
 
 @pytest.fixture(scope="module")

@@ -193,7 +193,8 @@ def test_failed_allocation_in_generate(model: torch.nn.Module, prompts: list[lis
     assert fault.raised == [7] and (info.value.needed, info.value.free) == (3, 0)
     _assert_consistent(llm)
     assert list(llm._groups) == [queued]
-    llm.abort(queued)  # an aborted request gives every block back
+    llm.abort(queued)  # an aborted request gives every block back ...
+    assert [(o.request_id, o.finish_reason) for o in llm.step()] == [(queued, "abort")]  # ... and is reported once
     assert_pool_clean(llm)
     _next_generate_is_exact(llm, prompts, refs)
     assert_pool_clean(llm)

@@ -72,13 +72,18 @@ class Ledger:
     reports: dict[str, list[RequestOutput]] = field(default_factory=lambda: defaultdict(list))
     finished: dict[str, RequestOutput] = field(default_factory=dict)
     aborted: set[str] = field(default_factory=set)
+    abort_reports: dict[str, RequestOutput] = field(default_factory=dict)
     streamed: dict[str, RequestOutput] = field(default_factory=dict)
     live: set[str] = field(default_factory=set)
 
     def record(self, out: RequestOutput) -> None:
         rid = out.request_id
         assert rid in self.specs, f"step() reported unknown request {rid!r}"
-        assert rid not in self.aborted, f"request {rid} was reported by step() after it was aborted"
+        if rid in self.aborted:  # reported once more, by the next step(), as aborted
+            assert rid not in self.abort_reports, f"request {rid} was reported twice after it was aborted"
+            assert out.finished and "abort" in {c.finish_reason for c in out.outputs}
+            self.abort_reports[rid] = out
+            return
         assert rid not in self.finished, f"request {rid} was reported again after it had finished"
         previous = self.reports[rid][-1] if self.reports[rid] else None
         if previous is not None:
@@ -264,6 +269,7 @@ def _check_exactly_once(ledger: Ledger, recorder: GroupRecorder) -> None:
         assert finished_reports <= 1 and sum(outcomes) == 1, (
             f"request {rid}: aborted={outcomes[0]} finished reports={finished_reports}")
         if rid in ledger.aborted:
+            assert rid in ledger.abort_reports, f"aborted request {rid} was never reported by step()"
             final = recorder.groups[rid].to_output()
             assert final.finished and "abort" in {c.finish_reason for c in final.outputs}
             assert {c.finish_reason for c in final.outputs} <= {"abort", "stop", "length"}

@@ -40,7 +40,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("tp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), str(Path(tp_worker.__file__)), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "FLASHPAGE_TP_TIMEOUT_S": "90"}
     log_path = out / "torchrun.log"
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)

@@ -18,6 +18,7 @@ Every comparison also checks the tokens agree (greedy, EOS off).
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from flashpage.bench.models import LOGIT_SCALE, left_pad, load_average, random_prompts
+from flashpage.bench.models import left_pad, load_average, random_prompts, seeded_llama
 
 VOCAB = 8192
 
@@ -36,19 +37,13 @@ def _log(msg: str) -> None:
 
 def hotpath_model(seed: int = 0) -> Any:
     """4 layers, hidden 256, 4 heads (2 KV heads), vocab 8192, float32, embeddings scaled as the bench model's."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                          attn_implementation="sdpa")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(LOGIT_SCALE)
-        model.get_output_embeddings().weight.mul_(LOGIT_SCALE)
-    return model.eval()
+    return seeded_llama(config, seed)
 
 
 def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
@@ -58,6 +53,18 @@ def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
         out = fn()
         best = min(best, time.perf_counter() - start)
     return best, out
+
+
+def _interleaved(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[float, Any, float, Any]:
+    """Best time of each, runs alternating (a, b, a, b, ...) so load changes hit both alike."""
+    best_a = best_b = float("inf")
+    out_a = out_b = None
+    for _ in range(repeats):
+        t, out_a = _best(a, 1)
+        best_a = min(best_a, t)
+        t, out_b = _best(b, 1)
+        best_b = min(best_b, t)
+    return best_a, out_a, best_b, out_b
 
 
 def _batch(batch: int, seed: int) -> dict[str, torch.Tensor]:
@@ -73,17 +80,15 @@ def _gen(model: Any, inputs: dict[str, torch.Tensor], new: int, **kw: Any) -> to
 
 
 def eager_generate(model: Any, batch: int, new: int, repeats: int) -> dict[str, Any]:
-    """Patched / unpatched eager generate() on one left-padded batch."""
+    """Patched / unpatched eager generate() on one left-padded batch (two copies of the model)."""
     import flashpage
 
     inputs = _batch(batch, seed=batch)
-    flashpage.unpatch(model)
-    _gen(model, inputs, 4)
-    t_hf, ref = _best(lambda: _gen(model, inputs, new), repeats)
-    flashpage.patch(model)
-    _gen(model, inputs, 4)
-    t_fp, out = _best(lambda: _gen(model, inputs, new), repeats)
-    flashpage.unpatch(model)
+    patched = flashpage.patch(copy.deepcopy(model))
+    for m in (model, patched):
+        _gen(m, inputs, 4)
+    t_hf, ref, t_fp, out = _interleaved(lambda: _gen(model, inputs, new), lambda: _gen(patched, inputs, new),
+                                        repeats)
     return {"case": f"generate eager, batch {batch}, {new} new", "transformers_s": t_hf, "flashpage_s": t_fp,
             "ratio": t_fp / t_hf, "goal": "<= 1.0x" if new > 256 else "<= 1.10x",
             "met": t_fp / t_hf <= (1.0 if new > 256 else 1.10), "agree": bool(torch.equal(out, ref))}
@@ -98,22 +103,15 @@ def compiled_generate(model: Any, batch: int, new: int, repeats: int) -> dict[st
     inputs = _batch(batch, seed=100 + batch)
     config = CompileConfig(fullgraph=True, dynamic=False)
     config._compile_all_devices = True
-    flashpage.unpatch(model)
-    torch.compiler.reset()
     static = {"cache_implementation": "static", "compile_config": config}
-    _gen(model, inputs, new, **static)  # compiles
-    t_hf, ref = _best(lambda: _gen(model, inputs, new, **static), repeats)
+    hf = copy.deepcopy(model)
+    patched = flashpage.patch(copy.deepcopy(model))
+    patched.forward = torch.compile(patched.forward, fullgraph=True, dynamic=False)
+    _gen(hf, inputs, new, **static)  # compile both
+    _gen(patched, inputs, new)
+    t_hf, ref, t_fp, out = _interleaved(lambda: _gen(hf, inputs, new, **static), lambda: _gen(patched, inputs, new),
+                                        repeats)
     torch.compiler.reset()
-    flashpage.patch(model)
-    eager_forward = model.forward
-    model.forward = torch.compile(eager_forward, fullgraph=True, dynamic=False)
-    try:
-        _gen(model, inputs, new)  # compiles the prefill and decode graphs
-        t_fp, out = _best(lambda: _gen(model, inputs, new), repeats)
-    finally:
-        model.forward = eager_forward
-        flashpage.unpatch(model)
-        torch.compiler.reset()
     return {"case": f"generate compiled, batch {batch}, {new} new", "transformers_s": t_hf, "flashpage_s": t_fp,
             "ratio": t_fp / t_hf, "goal": "<= 1.0x", "met": t_fp / t_hf <= 1.0,
             "agree": bool(torch.equal(out, ref))}
@@ -128,8 +126,8 @@ def engine_compile(model: Any, requests: int, new: int, repeats: int) -> dict[st
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     results = {}
     for compiled in (False, True):
-        llm = LLM(model, max_num_seqs=requests, num_blocks=requests * (-(-(64 + new) // 16) + 1) + 8,
-                  compile=compiled)
+        llm = LLM(copy.deepcopy(model), max_num_seqs=requests, max_model_len=64 + new + 16,
+                  num_blocks=requests * (-(-(64 + new) // 16) + 1) + 8, compile=compiled)
         llm.generate(prompts, params, use_tqdm=False)  # warm (and compile every bucket)
         seconds, outs = _best(lambda llm=llm: llm.generate(prompts, params, use_tqdm=False), repeats)
         results[compiled] = (seconds, [o.token_ids for o in outs], llm.stats().compiled_steps)
@@ -141,19 +139,16 @@ def engine_compile(model: Any, requests: int, new: int, repeats: int) -> dict[st
 
 def single_stream(model: Any, new: int, repeats: int) -> dict[str, Any]:
     """One request: LLM decode per token against generate() batch 1."""
-    import flashpage
     from flashpage import LLM, SamplingParams
 
     prompt = random_prompts([32], VOCAB, seed=3)[0]
     inputs = {"input_ids": torch.tensor([prompt]), "attention_mask": torch.ones(1, len(prompt), dtype=torch.long)}
-    flashpage.unpatch(model)
-    _gen(model, inputs, 4)
-    t_hf, ref = _best(lambda: _gen(model, inputs, new), repeats)
-    llm = LLM(model, max_num_seqs=1, num_blocks=64, compile=False)
+    llm = LLM(copy.deepcopy(model), max_num_seqs=1, num_blocks=64, max_model_len=1024, compile=False)
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    _gen(model, inputs, 4)
     llm.generate([prompt], params, use_tqdm=False)
-    t_fp, outs = _best(lambda: llm.generate([prompt], params, use_tqdm=False), repeats)
-    flashpage.unpatch(model)
+    t_hf, ref, t_fp, outs = _interleaved(lambda: _gen(model, inputs, new),
+                                         lambda: llm.generate([prompt], params, use_tqdm=False), repeats)
     ratio = t_fp / t_hf
     return {"case": f"single stream, {new} new", "transformers_ms_per_token": 1e3 * t_hf / new,
             "flashpage_ms_per_token": 1e3 * t_fp / new, "ratio": ratio, "goal": "<= 1.2x", "met": ratio <= 1.2,

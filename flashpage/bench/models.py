@@ -56,9 +56,14 @@ def bench_config(quick: bool = False):
 
 def bench_model(seed: int = 0, quick: bool = False) -> Any:
     """The random Llama bench model (float32, eval mode), seeded; see the module docstring."""
+    return seeded_llama(bench_config(quick), seed)
+
+
+def seeded_llama(config: Any, seed: int) -> Any:
+    """A LlamaForCausalLM with seeded random weights, embeddings and LM head scaled by ``LOGIT_SCALE``
+    (see the module docstring), float32, eval mode."""
     from transformers import LlamaForCausalLM
 
-    config = bench_config(quick)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 from array import array
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -50,8 +52,10 @@ class TPInfo:
 
     Attributes:
         rank / size: rank within the group, and the group's size.
-        group: the torch.distributed process group (the model's ``tp`` mesh dimension, else WORLD).
-        device: where collective tensors live (CUDA for NCCL, CPU for gloo).
+        group: a gloo group over the model's tensor-parallel ranks, for the engine's small messages
+            (host-side ints: no GPU sync, and an idle follower may wait ``control_timeout()`` long
+            where an NCCL collective would time out after 10 minutes).
+        device: where those messages live (the CPU).
     """
 
     rank: int
@@ -74,9 +78,22 @@ def tp_info(model: Any) -> TPInfo | None:
                            "initialised in this process; start it with torchrun and "
                            "torch.distributed.init_process_group() before loading the model")
     group = _tp_group(model)
-    backend = str(dist.get_backend(group))
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-    return TPInfo(dist.get_rank(group), dist.get_world_size(group), group, device)
+    # every rank of the world must create a group (new_group is collective): LLM() runs on every rank
+    control = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", timeout=control_timeout())
+    return TPInfo(dist.get_rank(group), dist.get_world_size(group), control, torch.device("cpu"))
+
+
+def control_timeout() -> timedelta:
+    """How long a rank waits for the others at a step boundary: ``FLASHPAGE_TP_TIMEOUT_S`` seconds,
+    default 30 days (a follower of an idle server waits there; torchrun ends every rank if one dies)."""
+    raw = os.environ.get("FLASHPAGE_TP_TIMEOUT_S", str(30 * 24 * 3600))
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"FLASHPAGE_TP_TIMEOUT_S={raw!r}: give a number of seconds") from None
+    if not seconds > 0:
+        raise ValueError(f"FLASHPAGE_TP_TIMEOUT_S={raw!r}: give a positive number of seconds")
+    return timedelta(seconds=seconds)
 
 
 def _tp_group(model: Any) -> Any:
@@ -275,14 +292,17 @@ def sync_rng(model: Any) -> None:
     """Give every rank rank 0's global RNG state (CPU and current CUDA device), so a sampling
     ``model.generate()`` draws the same tokens on every rank of a tensor-parallel model. Not needed
     for :class:`flashpage.LLM`, which broadcasts its tokens."""
-    info = tp_info(model)
-    if info is None:
+    size = getattr(model, "_tp_size", None)
+    if not size or int(size) <= 1:
         return
+    group = _tp_group(model)
+    cuda = "nccl" in str(dist.get_backend(group))
     states: list[Any] = [torch.get_rng_state()]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states.append(torch.cuda.get_rng_state())
     box: list[Any] = [states]
-    dist.broadcast_object_list(box, group=info.group, group_src=0, device=info.device)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dist.broadcast_object_list(box, group=group, group_src=0, device=device)
     torch.set_rng_state(box[0][0])
     if len(box[0]) > 1 and torch.cuda.is_available():
         torch.cuda.set_rng_state(box[0][1])

@@ -8,7 +8,6 @@ chunks together), planned once; logits are computed only for sequences that emit
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import itertools
 import os
 import threading
@@ -31,6 +30,7 @@ from flashpage.engine.sequence import Group, Seq
 from flashpage.engine.sizing import KVSizing, plan_kv_pool, pool_warning
 from flashpage.errors import check_positive_ints
 from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
+from flashpage.patches.compat import cache_kwarg, require_supported_transformers
 from flashpage.patches.patching import patch_state
 
 Prompt = str | Sequence[int]
@@ -97,6 +97,7 @@ class LLM:
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  check_invariants: bool = False, compile: bool | None = None,
                  max_prefill_with_decodes: int | None = None) -> None:
+        require_supported_transformers()  # before loading anything: say at once why not
         if isinstance(model, (str, os.PathLike)):
             model, tokenizer = _load(model, tokenizer, dtype, device)
         defaults_allowed = {"block_size": block_size, "num_blocks": num_blocks, "max_model_len": max_model_len,
@@ -137,8 +138,7 @@ class LLM:
                 unpatch(self.model)
             raise
         self._cache = HFPagedCache.wrap(self.kv, config)
-        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
-            else "past_key_values"
+        self._cache_kwarg = cache_kwarg(self.model)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_prefill_with_decodes)
         self.sampler = Sampler(_eos_ids(self.model, tokenizer),
                                sync=self._tp.same_tokens if self._tp is not None else None)
@@ -148,6 +148,7 @@ class LLM:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._counters = {"steps": 0, "computed": 0, "generated": 0, "busy": 0.0}
+        self.step_request_ids: tuple[str, ...] = ()  # requests of the latest step (set even when it raises)
         self.check_invariants = check_invariants
         use_compile = default_compile(self.device) and self._tp is None if compile is None else bool(compile)
         self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
@@ -163,19 +164,21 @@ class LLM:
         return group.request_id
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now: its blocks are freed, its output ends with finish_reason 'abort'.
-        A request that already finished (its output not yet reported by step()) is left as is.
-        Under tensor parallelism the abort (made on any rank) takes effect on every rank at the start
-        of the next step, which reports the request's final output."""
+        """Stop a request now: its blocks are freed, and the next step() reports its final output
+        once, with finish_reason 'abort'. An unknown id, or a request that already finished (reported
+        or not), is a no-op: aborting races with finishing, so both orders must be safe.
+        Under tensor parallelism the abort (made on any rank) takes effect on every rank when the
+        next step starts, and that step reports it."""
         if request_id in self._unreported:
             return
         group = self._groups.get(request_id)
         if group is None:
-            raise KeyError(f"no running or waiting request with id {request_id!r}")
+            return
         if self._tp is not None:
             self._tp.note_abort(request_id)
             return
         self._finish_group(group, "abort")
+        self._unreported[request_id] = group
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to do or to report."""
@@ -340,10 +343,13 @@ class LLM:
                              "(num_blocks= or kv_cache_memory=) or shorten the prompt")
 
     def _step(self) -> list[Group]:
+        self.step_request_ids = ()
         aborted = self._tp_inputs() if self._tp is not None else []
         if self._tp is not None and self._tp.stopped:  # a follower released by rank 0: no step
             return aborted
         schedule = self.scheduler.schedule()
+        # which requests this step computes: if it raises, a server fails those (and only those)
+        self.step_request_ids = tuple(dict.fromkeys(c.seq.group.request_id for c in schedule.chunks))
         if self._tp is not None:
             self._tp_check(schedule)
         if not schedule.chunks:

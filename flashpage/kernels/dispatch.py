@@ -238,26 +238,11 @@ def flash_attn_with_kvcache(
     choice, mod = _choose(call)
     if choice.name == "reference":
         return reference.flash_attn_with_kvcache(
-            q,
-            k_cache,
-            v_cache,
-            k,
-            v,
-            rotary_cos,
-            rotary_sin,
-            seqlens,
-            cache_batch_idx,
-            cache_leftpad,
-            block_table,
-            softmax_scale,
-            causal,
-            window,
-            softcap,
-            rotary_interleaved,
-            alibi_slopes,
-            return_softmax_lse,
-            s_aux,
-            spec,
+            q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=seqlens,
+            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+            softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap,
+            rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
+            return_softmax_lse=return_softmax_lse, s_aux=s_aux, spec=spec,
         )
     result = flash_backends.call_kvcache(
         choice.name, mod, q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos,
@@ -330,24 +315,10 @@ def flash_attn_varlen_func(
     choice, mod = _choose(call)
     if choice.name == "reference":
         return reference.flash_attn_varlen_func(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            softmax_scale,
-            causal,
-            window,
-            softcap,
-            alibi_slopes,
-            return_attn_probs,
-            block_table,
-            s_aux,
-            spec,
-            seq_q,
-            seq_k,
+            q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window,
+            softcap=softcap, alibi_slopes=alibi_slopes, return_attn_probs=return_attn_probs,
+            block_table=block_table, s_aux=s_aux, spec=spec, seq_q=seq_q, seq_k=seq_k,
         )
     result = flash_backends.call_varlen(
         choice.name, mod, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -430,7 +401,9 @@ def layer_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
                                kv_heads=k_pages.shape[2], head_dim=q.shape[2], paged=True, page_size=block_size,
                                num_blocks=k_pages.shape[0], capacity=block_table.shape[1] * block_size)
     return reference.flash_attn_varlen_func(
-        q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts.softmax_scale,
-        opts.causal, opts.window_size, opts.softcap, None, False, block_table, s_aux, spec, query_lens, key_lens,
+        q, k_pages, v_pages, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, softmax_scale=opts.softmax_scale, causal=opts.causal,
+        window_size=opts.window_size, softcap=opts.softcap, alibi_slopes=None, return_attn_probs=False,
+        block_table=block_table, s_aux=s_aux, spec=spec, seq_q=query_lens, seq_k=key_lens,
     )
 

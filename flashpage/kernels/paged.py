@@ -138,3 +138,50 @@ def _explicit_softmax(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibl
     probs = probs.nan_to_num(0.0).to(qh.dtype).to(acc)  # P rounded to the input dtype, as the kernel does
     out = torch.matmul(probs.reshape(b, kv_heads, group * sq, -1), v.to(acc))
     return out.view(b, heads, sq, -1)
+
+
+# ------------------------------------------------------------------ compiled graphs
+# Under torch.compile the layer path calls these two ops instead: the graph sees them as opaque
+# calls with fixed output shapes, so inductor neither re-implements the page gather nor copies the
+# (large) page tensors to functionalise the in-place store, and the attention may read only the
+# blocks in use (on CPU, where that host read is free) or run flash-attn (see ``attend_op``).
+@torch.library.custom_op("flashpage::store", mutates_args=("k_pages", "v_pages"))
+def store_op(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor, all_written: bool) -> None:
+    """:func:`store` as a custom op (writes the pages in place)."""
+    store(k_pages, v_pages, k, v, slots, all_written)
+
+
+@store_op.register_fake
+def _store_fake(k_pages, v_pages, k, v, slots, all_written) -> None:
+    return None
+
+
+@torch.library.custom_op("flashpage::attend", mutates_args=())
+def attend_op(qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+              seqlens_k: torch.Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+              softcap: float, s_aux: torch.Tensor | None, empty_rows: bool) -> torch.Tensor:
+    """:func:`attend_static` as a custom op; ``softmax_scale`` < 0 means ``head_dim ** -0.5``.
+
+    On CPU only the block-table columns in use are read (the host read of the lengths costs nothing
+    there); on an accelerator every column is (no host sync: CUDA-graph safe)."""
+    opts = LayerOptions(None if softmax_scale < 0 else softmax_scale, causal, (window_left, window_right), softcap)
+    if qh.device.type == "cpu":
+        used = -(-int(seqlens_k.max()) // k_pages.shape[1]) if seqlens_k.numel() else 1
+        block_table = block_table[:, : max(used, 1)]
+    return attend_static(qh, k_pages, v_pages, block_table, seqlens_k, opts, s_aux, None, empty_rows).contiguous()
+
+
+@attend_op.register_fake
+def _attend_fake(qh, k_pages, v_pages, block_table, seqlens_k, softmax_scale, causal, window_left, window_right,
+                 softcap, s_aux, empty_rows) -> torch.Tensor:
+    return qh.new_empty((*qh.shape[:-1], v_pages.shape[-1]))
+
+
+def attend_compiled(qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                    seqlens_k: torch.Tensor, opts: LayerOptions, s_aux: torch.Tensor | None,
+                    empty_rows: bool) -> torch.Tensor:
+    """:func:`attend_static` through :func:`attend_op` (what a compiled layer calls)."""
+    scale = -1.0 if opts.softmax_scale is None else float(opts.softmax_scale)
+    return attend_op(qh, k_pages, v_pages, block_table, seqlens_k, scale, opts.causal, opts.window_size[0],
+                     opts.window_size[1], float(opts.softcap), s_aux, empty_rows)

@@ -1,0 +1,327 @@
+"""`flashpage bench serve`: Poisson arrivals at several request rates against OpenAI-compatible servers.
+
+As vLLM's serving benchmark does: for each rate, ``--num-prompts`` streamed ``/v1/completions``
+requests are sent with exponential inter-arrival times (rate ``inf``: all at once), and the client
+measures request and output-token throughput, time to first token (send -> first text chunk) and
+inter-token latency (gaps between text chunks), p50 and p99. The servers:
+
+- flashpage: ``--base-url`` of a running server, or ``flashpage serve`` started here in a subprocess;
+- transformers: ``transformers serve MODEL --continuous-batching`` started here in a subprocess
+  (offline, the same local model), the same workload. Requests are greedy without ``ignore_eos``
+  (transformers serve has none), so both servers produce the same tokens and the text of every
+  request is compared (``outputs_agree``). If it cannot start, the report says why.
+
+The prompts are seeded sentences of 4..60 words; every request asks for ``--max-tokens``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+WORDS = ("the list module returns a new value of each object in the file when the function is called with "
+         "an optional argument that must be a string or bytes and raises an exception if the key is not found "
+         "in the dictionary").split()
+STARTUP_TIMEOUT = 180.0
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    text: str = ""
+    tokens: int = 0
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    error: str = ""
+
+
+def make_prompts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 60))).capitalize() for _ in range(n)]
+
+
+def _log(msg: str) -> None:
+    print(f"[bench serve] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------ client side
+async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RequestResult:
+    start = time.perf_counter()
+    res = RequestResult(ok=False)
+    last = None
+    usage = None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    res.error = str(event["error"])[:200]
+                    return res
+                usage = (event.get("usage") or {}).get("completion_tokens", usage)
+                text = "".join(c.get("text") or "" for c in event.get("choices", []))
+                if not text:
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    res.ttft = now - start
+                else:
+                    res.itls.append(now - last)
+                last = now
+                res.text += text
+                res.tokens += 1
+    except httpx.HTTPError as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+        return res
+    res.tokens = usage if usage is not None else res.tokens
+    res.latency = time.perf_counter() - start
+    res.ok = True
+    return res
+
+
+async def _run_rate(url: str, model: str, prompts: list[str], rate: float, max_tokens: int,
+                    seed: int) -> tuple[list[RequestResult], float]:
+    rng = random.Random(seed)
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await _one(client, url, {**body, "prompt": "Warm up", "max_tokens": 2})
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(_one(client, url, {**body, "prompt": prompt})))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def summarize(rate: float, results: list[RequestResult], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    itls = [x for r in ok for x in r.itls]
+    ms = lambda v: None if v is None else round(v * 1e3, 2)
+    return {
+        "rate": _rate(rate), "requests": len(results), "failed": len(results) - len(ok),
+        "duration_s": round(duration, 3), "request_throughput": round(len(ok) / duration, 3),
+        "output_tokens": sum(r.tokens for r in ok),
+        "output_tokens_per_s": round(sum(r.tokens for r in ok) / duration, 1),
+        "ttft_p50_ms": ms(_pct(ttfts, 50)), "ttft_p99_ms": ms(_pct(ttfts, 99)),
+        "itl_p50_ms": ms(_pct(itls, 50)), "itl_p99_ms": ms(_pct(itls, 99)),
+        "e2e_p50_s": None if not ok else round(_pct([r.latency for r in ok], 50), 3),
+        "errors": sorted({r.error for r in results if not r.ok})[:3],
+    }
+
+
+def bench_server(url: str, model: str, prompts: list[str], rates: list[float], max_tokens: int,
+                 seed: int, label: str) -> tuple[list[dict[str, Any]], list[list[str]]]:
+    """Run every rate against one server: per-rate summaries and per-rate output texts."""
+    rows, texts = [], []
+    for k, rate in enumerate(rates):
+        results, duration = asyncio.run(_run_rate(url, model, prompts, rate, max_tokens, seed + k))
+        row = summarize(rate, results, duration)
+        _log(f"{label} rate {row['rate']}: {row['output_tokens_per_s']} tok/s, TTFT p50 {row['ttft_p50_ms']} ms, "
+             f"ITL p50 {row['itl_p50_ms']} ms, failed {row['failed']}")
+        rows.append(row)
+        texts.append([r.text if r.ok else None for r in results])
+    return rows, texts
+
+
+# ------------------------------------------------------------------------------------ server side
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def started_server(cmd: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[str]:
+    """Run ``cmd`` (a server on ``port``) until /health answers; SIGTERM it afterwards."""
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would stall the server
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"`{' '.join(cmd[:4])} ...` exited with {proc.returncode}: {log.read()[-400:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"`{' '.join(cmd[:4])} ...` did not answer /health in {STARTUP_TIMEOUT:.0f} s")
+            time.sleep(0.25)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        log.close()
+
+
+def _flashpage_cmd(model: str | None, port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "flashpage.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    return cmd + (["--model", model] if model else [])
+
+
+def _transformers_cmd(model_path: str, port: int) -> list[str] | str:
+    exe = shutil.which("transformers") or os.path.join(os.path.dirname(sys.executable), "transformers")
+    if not os.path.exists(exe):
+        return "the `transformers` command is not installed"
+    return [exe, "serve", model_path, "--port", str(port), "--host", "127.0.0.1", "--continuous-batching",
+            "--device", "cpu", "--log-level", "warning"]
+
+
+# ------------------------------------------------------------------------------------------- run
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--request-rates {text!r}: give numbers separated by commas, e.g. 2,4,8,inf") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise ValueError(f"--request-rates {text!r}: every rate must be > 0 (inf: all requests at once)")
+    return rates
+
+
+def run(base_url: str | None = None, model: str | None = None, rates: list[float] | None = None,
+        num_prompts: int = 32, max_tokens: int = 32, seed: int = 0, transformers: bool = True) -> dict[str, Any]:
+    """Benchmark flashpage (and transformers serve unless ``transformers=False``); the result dict."""
+    from flashpage.serve.server import TINY_MODEL_NAME
+    from flashpage.tiny import tiny_model_path
+
+    rates = rates or [2.0, 4.0, 8.0, math.inf]
+    prompts = make_prompts(num_prompts, seed)
+    name = model or TINY_MODEL_NAME
+    result: dict[str, Any] = {
+        "model": name, "num_prompts": num_prompts, "max_tokens": max_tokens, "rates": [_rate(r) for r in rates],
+        "workload": f"{num_prompts} streamed /v1/completions per rate, prompts of 4..60 words, greedy, "
+                    f"max_tokens {max_tokens}, Poisson arrivals", "systems": {}, "transformers_note": None,
+    }
+    if base_url:
+        rows, fp_texts = bench_server(base_url.rstrip("/"), name, prompts, rates, max_tokens, seed, "flashpage")
+    else:
+        _log("starting flashpage serve ...")
+        with started_server(_flashpage_cmd(model, port := _free_port()), port, {"OMP_NUM_THREADS": "1"}) as url:
+            rows, fp_texts = bench_server(url, name, prompts, rates, max_tokens, seed, "flashpage")
+    result["systems"]["flashpage"] = rows
+    result["outputs_agree"] = None
+    if not transformers:
+        result["transformers_note"] = "skipped (--no-transformers)"
+        return result
+    path = model or str(tiny_model_path())
+    cmd = _transformers_cmd(path, port := _free_port())
+    if isinstance(cmd, str):
+        result["transformers_note"] = f"transformers serve not run: {cmd}"
+        return result
+    try:
+        _log("starting transformers serve --continuous-batching ...")
+        with started_server(cmd, port, {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}) as url:
+            rows, tf_texts = bench_server(url, path, prompts, rates, max_tokens, seed, "transformers")
+    except (RuntimeError, OSError) as exc:
+        result["transformers_note"] = f"transformers serve could not run here: {exc}"
+        return result
+    result["systems"]["transformers serve (continuous batching)"] = rows
+    result["outputs_agree"] = fp_texts == tf_texts
+    return result
+
+
+def _rate(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate
+
+
+def format_report(result: dict[str, Any]) -> str:
+    lines = [f"bench serve: {result['model']}; {result['workload']}", ""]
+    head = (f"{'server':<42} {'rate':>5} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+            f"{'ITL p50':>8} {'ITL p99':>8} {'failed':>6}")
+    lines += [head, "-" * len(head)]
+    for label, rows in result["systems"].items():
+        for row in rows:
+            ttft = f"{_ms(row['ttft_p50_ms']):>9} {_ms(row['ttft_p99_ms']):>9}"
+            itl = f"{_ms(row['itl_p50_ms']):>8} {_ms(row['itl_p99_ms']):>8}"
+            lines.append(f"{label:<42} {row['rate']!s:>5} {row['request_throughput']:>7.2f} "
+                         f"{row['output_tokens_per_s']:>8.1f} {ttft} {itl} {row['failed']:>6}")
+    if result.get("transformers_note"):
+        lines += ["", f"note: {result['transformers_note']}"]
+    if result.get("outputs_agree") is not None:
+        lines += ["", f"outputs identical (flashpage vs transformers serve, greedy): {result['outputs_agree']}"]
+    lines.append("(TTFT/ITL in ms, measured by the client)")
+    return "\n".join(lines)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def write_plot(result: dict[str, Any], path: str) -> None:
+    from flashpage.bench.plots import _pyplot, _save
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = (("output_tokens_per_s", "output tokens/s"), ("ttft_p99_ms", "TTFT p99 (ms)"),
+              ("itl_p50_ms", "ITL p50 (ms)"))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for label, rows in result["systems"].items():
+            xs = [str(r["rate"]) for r in rows]
+            ax.plot(xs, [r[key] if r[key] is not None else float("nan") for r in rows], marker="o", label=label)
+        ax.set_title(title)
+        ax.set_xlabel("request rate (req/s)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"bench serve: {result['model']}, {result['workload']}", fontsize=9)
+    _save(plt, fig, path)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """``flashpage bench serve``; exit 1 when requests failed or the two servers disagree."""
+    rates = parse_rates("4,inf" if args.quick and args.request_rates == "2,4,8,inf" else args.request_rates)
+    num, max_tokens = (16, 16) if args.quick else (args.num_prompts, args.max_tokens)
+    if num < 1 or max_tokens < 1:
+        raise ValueError("--num-prompts and --max-tokens must be >= 1")
+    result = run(args.base_url, args.model, rates, num, max_tokens, args.seed, args.transformers)
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    if args.plot:
+        try:
+            write_plot(result, args.plot)
+        except ImportError as exc:
+            print(f"flashpage bench: --plot needs matplotlib ({exc}); pip install 'flashpage[plot]'", file=sys.stderr)
+            return 1
+        _log(f"plot written to {args.plot}")
+    failed = any(r["failed"] for rows in result["systems"].values() for r in rows)
+    return 1 if failed or result["outputs_agree"] is False else 0
+

@@ -1,0 +1,400 @@
+"""AsyncLLM: a thread- and asyncio-safe front for :class:`flashpage.LLM`.
+
+One background thread owns the engine: it applies queued ``add_request`` / ``abort`` commands
+between steps, calls ``LLM.step()`` while there is work, and hands each request's outputs to its
+:class:`RequestStream`. Any thread or event loop may add, abort and read streams; only the engine
+thread touches the ``LLM`` (``stats()`` takes the same lock, so it never sees half a step).
+
+- ``abort()`` of an unknown or ended id is a no-op; an aborted request's stream ends with one final
+  output whose finish_reason is "abort".
+- A step that raises fails only the requests it was computing (``LLM.step_request_ids``): their
+  streams raise :class:`RequestFailedError`, their blocks are freed, the loop keeps serving.
+- ``max_waiting_requests`` bounds the requests accepted but not yet running; beyond it
+  ``add_request`` raises :class:`QueueFullError` at once.
+- ``close(drain_timeout)`` stops accepting, lets unfinished requests run for up to the timeout,
+  aborts the rest and joins the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flashpage.engine import LLM, EngineStats, RequestOutput, SamplingParams
+
+log = logging.getLogger("flashpage.serve")
+
+Prompt = str | Sequence[int]
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; retry later (HTTP 503 with Retry-After)."""
+
+
+class EngineClosedError(RuntimeError):
+    """The front is stopped or draining and accepts no new request."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine step computing this request raised; the request was ended (HTTP 500)."""
+
+
+@dataclass(frozen=True)
+class _Accepted:
+    """First item of a stream once the engine queued the request (validation passed)."""
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Timing of one delivered output (for metrics observers)."""
+
+    request_id: str
+    new_tokens: int
+    first: bool
+    seconds: float  # since arrival (first) or since the previous delivery of this request
+
+
+class RequestStream:
+    """Outputs of one request, in order: cumulative :class:`RequestOutput` snapshots, the last one
+    with ``finished=True``. Iterate with ``async for`` on any event loop or ``for`` on any thread."""
+
+    def __init__(self, request_id: str, on_close: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_close = on_close
+        self._accepted = False
+        self.done = False
+
+    # engine thread ------------------------------------------------------------------
+    def _put(self, item: Any) -> None:
+        self._items.put(item)
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:  # the consumer's loop is closed: nobody reads this stream any more
+                self._on_close(self.request_id)
+
+    # consumers ----------------------------------------------------------------------
+    async def _get(self) -> Any:
+        self._loop = asyncio.get_running_loop()
+        while True:
+            try:
+                return self._items.get_nowait()
+            except queue.Empty:
+                self._wake.clear()
+                if self._items.empty():
+                    await self._wake.wait()
+
+    async def accepted(self) -> None:
+        """Wait until the engine queued the request; raises its validation error (ValueError/TypeError)."""
+        if not self._accepted:
+            self._check(await self._get())
+
+    def _check(self, item: Any) -> RequestOutput | None:
+        if isinstance(item, _Failed):
+            self.done = True
+            raise item.error
+        if isinstance(item, _Accepted):
+            self._accepted = True
+            return None
+        if item.finished:
+            self.done = True
+        return item
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.done:
+                out = self._check(await self._get())
+                if out is not None:
+                    yield out
+        finally:
+            if not self.done:  # the consumer stopped early (cancelled, disconnected): end the request
+                self._on_close(self.request_id)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        try:
+            while not self.done:
+                out = self._check(self._items.get())
+                if out is not None:
+                    yield out
+        finally:
+            if not self.done:
+                self._on_close(self.request_id)
+
+
+@dataclass
+class _Live:
+    """Front-side state of one request."""
+
+    stream: RequestStream
+    arrival: float
+    last_delivery: float | None = None
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams | None
+    arrival: float
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str | None  # None: every request
+
+
+class AsyncLLM:
+    """Run an :class:`~flashpage.LLM` in a background thread behind thread-safe calls.
+
+    Args:
+        llm: the engine; once given here, use it only through this front.
+        max_waiting_requests: requests accepted but not yet running, at most (None: unbounded).
+        on_tokens: called on the engine thread with a :class:`TokenEvent` per delivered output.
+        on_finish: called on the engine thread with each final :class:`RequestOutput`.
+    """
+
+    def __init__(self, llm: LLM, *, max_waiting_requests: int | None = 512,
+                 on_tokens: Callable[[TokenEvent], None] | None = None,
+                 on_finish: Callable[[RequestOutput], None] | None = None) -> None:
+        if max_waiting_requests is not None and (isinstance(max_waiting_requests, bool)
+                                                 or not isinstance(max_waiting_requests, int)
+                                                 or max_waiting_requests < 1):
+            raise ValueError(f"max_waiting_requests must be an int >= 1 or None; got {max_waiting_requests!r}")
+        self.llm = llm
+        self.max_waiting_requests = max_waiting_requests
+        self.on_tokens = on_tokens
+        self.on_finish = on_finish
+        self._cv = threading.Condition()
+        self._engine_lock = threading.RLock()
+        self._commands: list[_Add | _Abort] = []  # applied in order, between steps (guarded by _cv)
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._pending_streams: dict[str, RequestStream] = {}  # added, not yet given to the engine (_cv)
+        self._num_live = 0
+        self._busy = False  # the engine has work or outputs to report (engine thread)
+        self._ids = itertools.count()
+        self._accepting = True
+        self._stopping = False
+        self._snapshot = llm.stats()
+        self.failed_steps = 0
+        self.dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="flashpage-engine", daemon=True)
+        self._thread.start()
+
+    # --------------------------------------------------------------------- public calls
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> RequestStream:
+        """Queue a request; returns its stream at once (validation errors surface from the stream)."""
+        with self._cv:
+            if not self._accepting or self.dead is not None:
+                raise EngineClosedError("the server is shutting down and accepts no new request")
+            waiting = len(self._pending_streams) + self._snapshot.waiting
+            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+                raise QueueFullError(f"server is at capacity: {waiting} requests are waiting "
+                                     f"(max_waiting_requests={self.max_waiting_requests}); retry later")
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self._pending_streams:
+                raise ValueError(f"request id {rid!r} is already in use")
+            stream = RequestStream(rid, self.abort)
+            self._commands.append(_Add(rid, prompt, params, time.perf_counter()))
+            self._pending_streams[rid] = stream
+            self._cv.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """End a request; its stream gets one final output with finish_reason "abort".
+        Unknown or ended ids are ignored."""
+        with self._cv:
+            self._commands.append(_Abort(request_id))
+            self._cv.notify()
+
+    def abort_all(self) -> None:
+        """End every request accepted so far (each stream gets its final "abort" output)."""
+        with self._cv:
+            self._commands.append(_Abort(None))
+            self._cv.notify()
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Async iterator of the request's outputs; leaving it early aborts the request."""
+        stream = self.add_request(prompt, params, request_id)
+        async for out in stream:
+            yield out
+
+    def stats(self) -> EngineStats:
+        """Current engine statistics (waits for a step in progress)."""
+        with self._engine_lock:
+            return self.llm.stats()
+
+    def snapshot(self) -> EngineStats:
+        """Statistics as of the end of the latest engine iteration (never waits)."""
+        return self._snapshot
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._cv:
+            return len(self._pending_streams) + self._num_live
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.dead is None
+
+    def stop_accepting(self) -> None:
+        with self._cv:
+            self._accepting = False
+
+    def close(self, drain_timeout: float = 0.0) -> bool:
+        """Stop accepting, let unfinished requests run up to ``drain_timeout`` seconds, abort the rest
+        and stop the thread. Returns True when every request finished on its own."""
+        self.stop_accepting()
+        deadline = time.monotonic() + drain_timeout
+        while self.num_unfinished and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.01)
+        drained = self.num_unfinished == 0
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout=max(5.0, drain_timeout))
+        return drained
+
+    # ----------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._commands and not self._busy and not self._stopping:
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    commands, self._commands = self._commands, []
+                with self._engine_lock:
+                    self._apply(commands)
+                    if self.llm.has_unfinished_requests():
+                        self._step()
+                    self._busy = self.llm.has_unfinished_requests()
+                    self._snapshot = self.llm.stats()
+        except BaseException as exc:  # a bug in the loop itself: fail everything, refuse new work
+            log.exception("engine loop died")
+            self.dead = exc
+        self._shutdown()
+
+    def _apply(self, commands: list[_Add | _Abort]) -> None:
+        for cmd in commands:
+            if isinstance(cmd, _Abort):
+                for rid in [cmd.request_id] if cmd.request_id is not None else list(self._live):
+                    self.llm.abort(rid)
+            else:
+                self._add(cmd)
+
+    def _add(self, cmd: _Add) -> None:
+        with self._cv:
+            stream = self._pending_streams.pop(cmd.request_id)
+        try:
+            self.llm.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
+        except Exception as exc:  # invalid input: the caller gets the error, nothing was queued
+            stream._put(_Failed(exc))
+            return
+        self._live[cmd.request_id] = _Live(stream, cmd.arrival)
+        self._set_live_count()
+        stream._put(_Accepted())
+
+    def _step(self) -> None:
+        try:
+            outputs = self.llm.step()
+        except Exception as exc:
+            self._fail_step(exc)
+            return
+        now = time.perf_counter()
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is not None:
+                self._deliver(live, out, now)
+
+    def _deliver(self, live: _Live, out: RequestOutput, now: float) -> None:
+        new = sum(len(c.token_ids) for c in out.outputs)
+        if new and self.on_tokens is not None:
+            first = live.last_delivery is None
+            since = now - (live.arrival if first else live.last_delivery)
+            _call(self.on_tokens, TokenEvent(out.request_id, new, first, since))
+        if new:
+            live.last_delivery = now
+        live.stream._put(out)
+        if out.finished:
+            self._end(out.request_id)
+            if self.on_finish is not None:
+                _call(self.on_finish, out)
+
+    def _fail_step(self, exc: Exception) -> None:
+        self.failed_steps += 1
+        ids = [r for r in self.llm.step_request_ids if r in self._live]
+        if not ids:  # the step failed before computing anything (scheduling): nobody can progress
+            ids = list(self._live)
+        if not ids:  # nothing of ours to fail: do not spin on a persistent fault
+            time.sleep(0.05)
+        log.error("engine step failed (%s: %s); failing requests %s", type(exc).__name__, exc, ids)
+        error = RequestFailedError(f"the engine step computing this request failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        for rid in ids:
+            live = self._live.get(rid)
+            self.llm.abort(rid)  # frees its blocks; the abort report that follows is ignored
+            if live is not None:
+                live.stream._put(_Failed(error))
+                self._end(rid)
+
+    def _end(self, rid: str) -> None:
+        self._live.pop(rid, None)
+        self._set_live_count()
+
+    def _set_live_count(self) -> None:
+        with self._cv:
+            self._num_live = len(self._live)
+
+    def _shutdown(self) -> None:
+        """Abort what is left, report it, and fail any stream that could not be reported."""
+        with self._engine_lock:
+            with self._cv:
+                pending = list(self._pending_streams.values())
+                self._pending_streams.clear()
+                self._commands = []
+            closed = EngineClosedError("the server shut down before this request finished")
+            for stream in pending:
+                stream._put(_Failed(closed))
+            for rid in list(self._live):
+                self.llm.abort(rid)
+            for _ in range(3):
+                if not self._live or not self.llm.has_unfinished_requests():
+                    break
+                try:
+                    self._step()
+                except Exception:  # reporting failed: fall through to failing the streams
+                    break
+            for rid, live in list(self._live.items()):
+                live.stream._put(_Failed(closed))
+                self._end(rid)
+            self._snapshot = self.llm.stats()
+
+
+def _call(callback: Callable[[Any], None], arg: Any) -> None:
+    """An observer's error is logged, never allowed to stop the engine thread."""
+    try:
+        callback(arg)
+    except Exception:
+        log.exception("flashpage serve: an AsyncLLM callback raised")

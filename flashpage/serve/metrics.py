@@ -1,0 +1,84 @@
+"""Prometheus metrics of a flashpage server (``GET /metrics``), one registry per server.
+
+Engine figures (requests running / waiting, KV blocks, prefix hit rate, preemptions, generated
+tokens) are read from the engine's latest snapshot at scrape time; latencies (time to first
+token, inter-token latency, end-to-end) and finished requests are recorded as outputs are
+delivered, on the engine thread (prometheus_client is thread-safe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from flashpage.engine import EngineStats, RequestOutput
+from flashpage.serve.async_engine import TokenEvent
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        gauges = {
+            "flashpage_num_requests_running": ("Requests (sequences) being computed.", s.running),
+            "flashpage_num_requests_waiting": ("Requests (sequences) queued, not yet running.", s.waiting),
+            "flashpage_kv_blocks_total": ("KV blocks in the pool.", s.blocks_total),
+            "flashpage_kv_blocks_used": ("KV blocks owned by running sequences.", s.blocks_used),
+            "flashpage_kv_blocks_free": ("KV blocks free (not counting cached ones).", s.blocks_free),
+            "flashpage_kv_blocks_cached": ("Freed KV blocks kept for prefix hits (evictable).", s.blocks_cached),
+            "flashpage_prefix_cache_hit_rate": ("Share of prompt blocks served by the prefix cache.",
+                                                s.prefix_cache_hit_rate),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "flashpage_num_preemptions": ("Sequences preempted (recomputed later) for lack of KV blocks.",
+                                          s.preemptions),
+            "flashpage_generation_tokens": ("Tokens generated.", s.generated_tokens),
+            "flashpage_engine_steps": ("Engine steps (packed forwards).", s.steps),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServeMetrics:
+    """The registry and the recorders the engine front calls."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats))
+        r = self.registry
+        self.ttft = Histogram("flashpage_time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("flashpage_inter_token_latency_seconds", "Time between two outputs of a request.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("flashpage_e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.finished = Counter("flashpage_request_success", "Finished requests by finish reason.",
+                                ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("flashpage_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.failed = Counter("flashpage_request_failures", "Requests ended by a failed engine step.", registry=r)
+        self.rejected = Counter("flashpage_requests_rejected", "Requests refused before queueing, by reason.",
+                                ["reason"], registry=r)
+
+    def on_tokens(self, event: TokenEvent) -> None:
+        (self.ttft if event.first else self.itl).observe(event.seconds)
+
+    def on_finish(self, out: RequestOutput) -> None:
+        self.finished.labels(finished_reason=out.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        m = out.metrics
+        if m.finish_time is not None:
+            self.e2e.observe(max(0.0, m.finish_time - m.arrival_time))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

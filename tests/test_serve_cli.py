@@ -1,0 +1,38 @@
+"""`flashpage serve` and `flashpage bench serve` on the command line: help and bad values (exit 2
+with a message naming the option), before any model is loaded."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashpage.cli import main
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_serve_help_lists_server_and_engine_options(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(capsys, "serve")
+    for option in ("--model", "--host", "--port", "--served-model-name", "--chat-template", "--max-waiting-requests",
+                   "--drain-timeout", "--max-num-seqs", "--num-blocks", "--block-size", "--max-model-len",
+                   "--no-enable-prefix-caching", "--dtype", "--device"):
+        assert option in text, option
+    assert "serve" in _help(capsys)
+    text = _help(capsys, "bench", "serve")
+    for option in ("--base-url", "--request-rates", "--num-prompts", "--max-tokens", "--no-transformers", "--plot"):
+        assert option in text, option
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--chat-template", "/no/such/template.jinja"], "--chat-template /no/such/template.jinja: no such file"),
+    (["--model", "./no-such-checkpoint"], "--model ./no-such-checkpoint: no such directory"),
+    (["--dtype", "float33"], "--dtype float33: not a torch dtype"),
+], ids=["chat-template", "model", "dtype"])
+def test_serve_bad_values_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    assert main(["serve", "--port", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flashpage serve: error:") and message in err

@@ -159,3 +159,62 @@ def test_bench_tp_reports_per_rank_kv_and_agreement(tmp_path: Path) -> None:
         assert 2 * r["kv_bytes_per_token"] == solo["kv_bytes_per_token"]
         assert 2 * r["pool_bytes"] == solo["pool_bytes"] and 0 < r["peak_kv_bytes"] <= r["pool_bytes"]
         assert r["output_tokens_per_s"] > 0
+
+
+def test_serve_tensor_parallel_two_ranks(single: tuple[Any, Any]) -> None:
+    """`flashpage serve --tensor-parallel-size 2` starts its own torchrun: rank 0 serves HTTP, rank 1
+    follows; greedy equals the single-process engine, a stream left mid-way is aborted on both ranks
+    (the next requests still agree), and SIGTERM drains and exits 0."""
+    import httpx
+
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FLASHPAGE_TP_TIMEOUT_S": "90"}
+    proc = subprocess.Popen([sys.executable, "-m", "flashpage.cli", "serve", "--tensor-parallel-size", "2",
+                             "--port", str(port), "--log-level", "warning", "--max-num-seqs", "8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    llm = LLM(*single, max_num_seqs=8)
+    try:
+        _wait_up(proc, url)
+        body = {"model": "flashpage-tiny", "prompt": tp_worker.PROMPTS[:3], "max_tokens": 16, "temperature": 0}
+        got = [c["text"] for c in httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"]]
+        want = llm.generate(tp_worker.PROMPTS[:3], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+        assert got == [o.outputs[0].text for o in want]
+        stream = {**body, "prompt": "The list", "max_tokens": 200, "stream": True, "temperature": 1.0,
+                  "ignore_eos": True}
+        with httpx.Client(timeout=60) as c, c.stream("POST", f"{url}/v1/completions", json=stream) as r:
+            assert r.status_code == 200
+            for i, _line in enumerate(r.iter_lines()):
+                if i >= 6:
+                    break  # disconnect: the server aborts the request on both ranks
+        sampled = {**body, "temperature": 1.0, "n": 2}
+        assert len(httpx.post(f"{url}/v1/completions", json=sampled, timeout=60).json()["choices"]) == 6
+        again = [c["text"] for c in httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"]]
+        assert again == got
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            pytest.fail(f"flashpage serve -tp 2 did not stop on SIGTERM:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    assert "stopped (all requests finished)" in out
+
+
+def _wait_up(proc: subprocess.Popen, url: str, timeout: float = 120.0) -> None:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited early:\n{proc.stdout.read() if proc.stdout else ''}"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    pytest.fail("flashpage serve -tp 2 did not come up")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import os
 from array import array
 from collections.abc import Iterable, Iterator
@@ -125,6 +126,7 @@ class StepInputs:
     stop: bool = False  # driver mode: rank 0 released its followers
 
 
+log = logging.getLogger("flashpage.tp")
 _ABORTS, _DIGEST = 1, 2  # what a _gather_ints call is for
 
 
@@ -269,17 +271,29 @@ def drive(llm: Any) -> Iterator[Any]:
         sync.role = "spmd"
 
 
-def follow(llm: Any) -> int:
+def follow(llm: Any, max_failed_steps: int = 3) -> int:
     """Ranks other than 0: step ``llm`` in lockstep with rank 0's :func:`drive` block until it ends;
-    returns the number of steps run."""
+    returns the number of steps run.
+
+    A step that raises on every rank (a bad request, :class:`RankDivergence`) is survived as on rank 0,
+    whose front aborts that step's requests and goes on; ``max_failed_steps`` failures in a row end
+    the follower with the last error (a broken group must not spin)."""
     sync = _sync_of(llm)
     if sync.info.is_driver:
         raise ValueError("follow() runs on tensor-parallel ranks other than 0; rank 0 drives: with drive(llm): ...")
     sync.role, sync.stopped = "follower", False
-    steps = 0
+    steps = failed = 0
     try:
         while True:
-            llm.step()
+            try:
+                llm.step()
+                failed = 0
+            except Exception as exc:
+                failed += 1
+                if failed >= max_failed_steps:
+                    raise
+                log.warning("tensor-parallel follower: step failed on rank %d (%s: %s); following on",
+                            sync.info.rank, type(exc).__name__, exc)
             if sync.stopped:
                 llm._ids = itertools.count(sync.next_auto_id + 1)
                 return steps

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -218,3 +219,22 @@ def _wait_up(proc: subprocess.Popen, url: str, timeout: float = 120.0) -> None:
             pass
         time.sleep(0.2)
     pytest.fail("flashpage serve -tp 2 did not come up")
+
+
+def test_readme_tensor_parallel_example_runs(tmp_path: Path) -> None:
+    """README's 'Tensor parallel' script, as written, under torchrun with 2 ranks: same text on both,
+    one KV head each."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"## Tensor parallel\n.*?```python\n(.*?)```", readme, re.S)
+    assert block, "README.md has no Tensor parallel python block"
+    script = tmp_path / "tp.py"
+    script.write_text(block.group(1), encoding="utf-8")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FLASHPAGE_TP_TIMEOUT_S": "90"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = sorted(line.split(" ", 3) for line in proc.stdout.splitlines() if line[:2] in ("0 ", "1 "))
+    assert [rank for rank, *_ in lines] == ["0", "1"]
+    (_, heads0, bytes0, text0), (_, heads1, bytes1, text1) = lines
+    assert heads0 == heads1 == "1" and bytes0 == bytes1 and text0 == text1

@@ -310,7 +310,7 @@ def sync_rng(model: Any) -> None:
     if not size or int(size) <= 1:
         return
     group = _tp_group(model)
-    cuda = "nccl" in str(dist.get_backend(group))
+    cuda = "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available()
     states: list[Any] = [torch.get_rng_state()]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states.append(torch.cuda.get_rng_state())

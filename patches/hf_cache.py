@@ -154,13 +154,24 @@ class HFPagedCache(Cache):
         self.rows: list[int] = []
         self._next_seq = 0
         self._logical_len = 0
-        self._real = torch.zeros((0, 0), dtype=torch.bool)  # (B, logical_len): which positions are stored
+        self._real_parts = [torch.zeros((0, 0), dtype=torch.bool)]  # see _real
         self.plan: StepPlan | None = None
         self.step: DeviceStep | None = None  # the plan on the input's device (what the layers use)
         self.has_holes = False  # some row has padding after a real token (set per forward)
         self._offset: torch.Tensor | None = None  # the logical length as a 0-d tensor on the input device
         self._owns_plan = False
         self._pending = 0  # new tokens of the forward in flight (committed by end_forward)
+
+    @property
+    def _real(self) -> torch.Tensor:
+        """(B, logical_len) bool: which logical positions hold a stored (real) token."""
+        if len(self._real_parts) > 1:
+            self._real_parts = [torch.cat(self._real_parts, dim=1)]
+        return self._real_parts[0]
+
+    @_real.setter
+    def _real(self, value: torch.Tensor) -> None:
+        self._real_parts = [value]
 
     @classmethod
     def wrap(cls, kv: PagedKVCache, config=None) -> HFPagedCache:
@@ -328,11 +339,18 @@ class HFPagedCache(Cache):
     def _start(self, plan: StepPlan, new_mask: torch.Tensor, length: int, device: torch.device | None) -> None:
         self.plan = plan
         self.step = plan.to(device if device is not None else "cpu")
-        self._offset = torch.tensor(self._logical_len, device=self.step.input_slots.device)
+        if self._offset is None or self._offset.device != self.step.input_slots.device \
+                or self._offset.is_inference() != torch.is_inference_mode_enabled():
+            self._offset = torch.tensor(self._logical_len, device=self.step.input_slots.device)
+        else:
+            self._offset.fill_(self._logical_len)
         self._owns_plan = True
         self._pending = length
-        first = not self._real.shape[0]
-        self._real = new_mask if first else torch.cat([self._real, new_mask], dim=1)
+        first = len(self._real_parts) == 1 and not self._real_parts[0].shape[0]
+        if first:
+            self._real = new_mask
+        else:  # concatenated only when read (crop, dense views, holes): not every decode step
+            self._real_parts.append(new_mask)
         if first or not bool(new_mask.all()):  # only padding can open a hole (a pad after a real token)
             started = self._real.to(torch.int8).cummax(dim=1).values.to(torch.bool)
             self.has_holes = bool((started & ~self._real).any())

@@ -238,3 +238,32 @@ def test_readme_tensor_parallel_example_runs(tmp_path: Path) -> None:
     assert [rank for rank, *_ in lines] == ["0", "1"]
     (_, heads0, bytes0, text0), (_, heads1, bytes1, text1) = lines
     assert heads0 == heads1 == "1" and bytes0 == bytes1 and text0 == text1
+
+
+def test_step_digest_is_process_independent_and_sensitive() -> None:
+    from flashpage.engine.distributed import step_digest
+
+    base = step_digest([("a", 0, 0, [1, 2, 3]), ("b", 1, 5, [7])], [("c", 0)])
+    assert base == step_digest([("a", 0, 0, [1, 2, 3]), ("b", 1, 5, [7])], [("c", 0)])
+    assert base == 0x7EB7BF4B4E94FAAF  # fixed by blake2b: the same in every process (no salted str hash)
+    for other in ([("a", 0, 0, [1, 2, 4]), ("b", 1, 5, [7])], [("a", 0, 1, [1, 2, 3]), ("b", 1, 5, [7])],
+                  [("b", 1, 5, [7]), ("a", 0, 0, [1, 2, 3])], [("a", 0, 0, [1, 2, 3])]):
+        assert step_digest(other, [("c", 0)]) != base
+    assert step_digest([("a", 0, 0, [1, 2, 3]), ("b", 1, 5, [7])], []) != base
+
+
+def test_tp_helpers_refuse_a_single_process_llm(single: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashpage.engine.distributed import control_timeout, drive, follow, sync_rng
+
+    llm = LLM(*single, max_num_seqs=2, kv_cache_memory=1 << 20)
+    assert llm.stats().tp_size == 1
+    with pytest.raises(ValueError, match="not tensor-parallel"):
+        follow(llm)
+    with pytest.raises(ValueError, match="not tensor-parallel"), drive(llm):
+        pass
+    sync_rng(single[0])  # a no-op without TP
+    monkeypatch.setenv("FLASHPAGE_TP_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="FLASHPAGE_TP_TIMEOUT_S='soon'"):
+        control_timeout()
+    monkeypatch.setenv("FLASHPAGE_TP_TIMEOUT_S", "12.5")
+    assert control_timeout().total_seconds() == 12.5

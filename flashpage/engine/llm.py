@@ -344,9 +344,10 @@ class LLM:
 
     def _step(self) -> list[Group]:
         self.step_request_ids = ()
-        aborted = self._tp_inputs() if self._tp is not None else []
-        if self._tp is not None and self._tp.stopped:  # a follower released by rank 0: no step
-            return aborted
+        if self._tp is not None:
+            self._tp_inputs()
+            if self._tp.stopped:  # a follower released by rank 0: no step
+                return []
         schedule = self.scheduler.schedule()
         # which requests this step computes: if it raises, a server fails those (and only those)
         self.step_request_ids = tuple(dict.fromkeys(c.seq.group.request_id for c in schedule.chunks))
@@ -355,7 +356,7 @@ class LLM:
         if not schedule.chunks:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler could not place any waiting request in the KV pool")
-            return aborted
+            return []
         start = time.perf_counter()
         emitting = [c for c in schedule.chunks if c.emits]
         logits = self._forward(schedule, emitting)
@@ -369,21 +370,22 @@ class LLM:
         self._counters["busy"] += time.perf_counter() - start
         if self.check_invariants:
             self.kv.blocks.check_invariants()
-        return aborted + touched
+        return touched
 
-    def _tp_inputs(self) -> list[Group]:
+    def _tp_inputs(self) -> None:
         """Tensor parallel: add what rank 0 added (followers), apply the aborts any rank made since the
-        last step (see distributed.py); returns the aborted groups."""
+        last step (see distributed.py); step() reports the aborted requests, as after abort()."""
         assert self._tp is not None
         inputs = self._tp.exchange()
         for r in inputs.adds:
             group = self._make_group(r.token_ids, r.params, r.request_id)
             group.prompt = r.prompt
             self._enqueue(group)
-        groups = [self._groups[rid] for rid in inputs.aborts if rid in self._groups]
-        for g in groups:
-            self._finish_group(g, "abort")
-        return groups
+        for rid in inputs.aborts:
+            group = self._groups.get(rid)
+            if group is not None:
+                self._finish_group(group, "abort")
+                self._unreported[rid] = group
 
     def _tp_check(self, schedule: Schedule) -> None:
         """Tensor parallel: every rank must run this very step; otherwise undo it and raise on all ranks."""

@@ -262,6 +262,12 @@ def test_tp_helpers_refuse_a_single_process_llm(single: tuple[Any, Any], monkeyp
     with pytest.raises(ValueError, match="not tensor-parallel"), drive(llm):
         pass
     sync_rng(single[0])  # a no-op without TP
+    with pytest.raises(ValueError, match="sharded over 1 rank"):
+        LLM(*single, tensor_parallel_size=2)
+    with pytest.raises(RuntimeError, match="torchrun --nproc-per-node 2"):
+        LLM(flashpage.tiny_model_path(), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="positive int"):
+        LLM(*single, tensor_parallel_size=0)
     monkeypatch.setenv("FLASHPAGE_TP_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match="FLASHPAGE_TP_TIMEOUT_S='soon'"):
         control_timeout()

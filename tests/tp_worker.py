@@ -47,8 +47,9 @@ def hf_generate(model: Any, tok: Any, rank: int) -> dict[str, Any]:
             "bytes_in_use": stats.bytes_in_use, "tokens_stored": stats.tokens_stored, "sampled": sampled.tolist()}
 
 
-def greedy_llm(model: Any, tok: Any) -> dict[str, Any]:
-    llm = LLM(model, tok, max_num_seqs=8, kv_cache_memory=1 << 22)
+def greedy_llm() -> dict[str, Any]:
+    """LLM(path, tensor_parallel_size=2): loads its own shard, as vLLM's LLM(..., tensor_parallel_size=2)."""
+    llm = LLM(flashpage.tiny_model_path(), max_num_seqs=8, kv_cache_memory=1 << 22, tensor_parallel_size=2)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
     s = llm.stats()
     return {"tokens": [o.outputs[0].token_ids for o in outs], "num_blocks": s.blocks_total,
@@ -148,7 +149,7 @@ def main(out_dir: str) -> None:
     path = flashpage.tiny_model_path()
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
     tok = AutoTokenizer.from_pretrained(path)
-    report: dict[str, Any] = {"generate": hf_generate(model, tok, rank), "greedy": greedy_llm(model, tok),
+    report: dict[str, Any] = {"generate": hf_generate(model, tok, rank), "greedy": greedy_llm(),
                               "preemption": preemption_llm(model, tok)}
     llm = LLM(model, tok, max_num_seqs=8, kv_cache_memory=1 << 22)
     report["sampling"] = sampling(llm, rank)

@@ -97,6 +97,44 @@ def control_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def check_tp_size(model: Any, size: int) -> None:
+    """Refuse ``tensor_parallel_size=size`` for a model sharded over another number of ranks."""
+    check_tp_size_arg(size)
+    have = int(getattr(model, "_tp_size", None) or 1)
+    if have != size:
+        raise ValueError(f"tensor_parallel_size={size} but the model is sharded over {have} rank(s); load it with "
+                         f"from_pretrained(..., tp_plan='auto') under torchrun --nproc-per-node {size}, or give "
+                         "LLM the checkpoint path and tensor_parallel_size")
+
+
+def load_tp_model(path: Any, dtype: Any, size: int, device: Any = None) -> Any:
+    """``from_pretrained(path, tp_plan="auto", tp_size=size)`` under torchrun, the process group
+    started here if the script did not (NCCL with CUDA, else gloo)."""
+    from transformers import AutoModelForCausalLM
+
+    check_tp_size_arg(size)
+    if device is not None:
+        raise ValueError("device= cannot be combined with tensor_parallel_size: each rank uses cuda:LOCAL_RANK "
+                         "(or the CPU); omit device")
+    if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
+        raise RuntimeError(f"tensor_parallel_size={size} needs one process per rank: run this script with "
+                           f"torchrun --nproc-per-node {size} (flashpage serve --tensor-parallel-size starts them "
+                           "itself)")
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if dist.get_world_size() % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the {dist.get_world_size()} ranks "
+                         "torchrun started")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto", tp_size=size).eval()
+
+
+def check_tp_size_arg(size: object) -> None:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
+
+
 def _tp_group(model: Any) -> Any:
     mesh = getattr(model, "_device_mesh", None)
     names = getattr(mesh, "mesh_dim_names", None) or ()

@@ -21,7 +21,7 @@ import torch
 
 from flashpage.cache import PagedKVCache, default_block_size
 from flashpage.engine.compiled import CompiledDecode, default_compile
-from flashpage.engine.distributed import NewRequest, TPSync, step_digest, tp_info
+from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.sampler import Sampler
@@ -87,7 +87,10 @@ class LLM:
             time per output token.
         compile: run decode-only steps through ``torch.compile(fullgraph=True)`` padded to batch
             and block-table buckets (CUDA graphs on CUDA). Default: on for CUDA, off on CPU
-            (see :func:`flashpage.engine.compiled.default_compile`).
+            (see :func:`flashpage.engine.compiled.default_compile`); off under tensor parallelism.
+        tensor_parallel_size: under ``torchrun``, load a path sharded over this many ranks
+            (``tp_plan="auto"``; every rank builds its LLM); with a model object, checked against the
+            model's own sharding. See README "Tensor parallel".
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, block_size: int | None = None,
@@ -96,10 +99,12 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  check_invariants: bool = False, compile: bool | None = None,
-                 max_prefill_with_decodes: int | None = None) -> None:
+                 max_prefill_with_decodes: int | None = None, tensor_parallel_size: int | None = None) -> None:
         require_supported_transformers()  # before loading anything: say at once why not
         if isinstance(model, (str, os.PathLike)):
-            model, tokenizer = _load(model, tokenizer, dtype, device)
+            model, tokenizer = _load(model, tokenizer, dtype, device, tensor_parallel_size)
+        elif tensor_parallel_size is not None:
+            check_tp_size(model, tensor_parallel_size)
         defaults_allowed = {"block_size": block_size, "num_blocks": num_blocks, "max_model_len": max_model_len,
                             "max_prefill_with_decodes": max_prefill_with_decodes}
         check_positive_ints("LLM: ", {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
@@ -589,11 +594,15 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return [int(t) for t in ids if t is not None]
 
 
-def _load(path: str | os.PathLike, tokenizer: Any, dtype: torch.dtype | None, device: Any) -> tuple[Any, Any]:
+def _load(path: str | os.PathLike, tokenizer: Any, dtype: torch.dtype | None, device: Any,
+          tensor_parallel_size: int | None = None) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _check_model_path(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+    if tensor_parallel_size is not None and tensor_parallel_size != 1:
+        model = load_tp_model(path, dtype or "auto", tensor_parallel_size, device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
     if device is not None:
         model = model.to(device)
     if tokenizer is None:

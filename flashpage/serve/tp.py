@@ -77,7 +77,7 @@ def run_tp_server(options: ServeOptions, size: int) -> int:
         raise ValueError("--device cannot be combined with --tensor-parallel-size: each rank uses its own "
                          "accelerator (cuda:LOCAL_RANK) or the CPU; omit --device")
     _init_process_group()
-    llm = _build_llm(options)
+    llm = _build_llm(options, size)
     rank = dist.get_rank()
     if rank != 0:
         for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains, then releases this rank
@@ -107,18 +107,19 @@ def _init_process_group() -> None:
         dist.init_process_group("gloo", timeout=timedelta(minutes=30))
 
 
-def _build_llm(options: ServeOptions) -> Any:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _build_llm(options: ServeOptions, size: int) -> Any:
+    from transformers import AutoTokenizer
 
     import flashpage
     from flashpage.engine import LLM
+    from flashpage.engine.distributed import load_tp_model
     from flashpage.serve.server import _dtype
 
     engine = dict(options.engine)
     engine.pop("device", None)
     dtype = _dtype(engine.pop("dtype", None)).get("dtype", torch.float32)
     path = options.model or flashpage.tiny_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto").eval()
+    model = load_tp_model(path, dtype, size)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

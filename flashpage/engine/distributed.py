@@ -21,7 +21,8 @@ same calls on its LLM. Driver/followers (:func:`drive` on rank 0, :func:`follow`
 only rank 0 adds requests (a server, a script reading input); at the start of each step it
 broadcasts what it added and aborted since the last step, and the followers step the same engine.
 
-This module imports neither transformers nor the cache; the engine calls it.
+The engine calls this module; it never imports the cache, and transformers only inside
+:func:`load_tp_model` (``LLM(path, tensor_parallel_size=N)``).
 """
 
 from __future__ import annotations

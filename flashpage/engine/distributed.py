@@ -128,7 +128,12 @@ def load_tp_model(path: Any, dtype: Any, size: int, device: Any = None) -> Any:
     if dist.get_world_size() % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the {dist.get_world_size()} ranks "
                          "torchrun started")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto", tp_size=size).eval()
+    try:  # transformers' newer spelling; tp_plan= / tp_size= still work and are deprecated
+        from transformers import DistributedConfig
+    except ImportError:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto", tp_size=size).eval()
+    config = DistributedConfig(tp_plan="auto", tp_size=size)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, distributed_config=config).eval()
 
 
 def check_tp_size_arg(size: object) -> None:

@@ -32,7 +32,7 @@ _LAZY = {
     "UnsupportedModelError": "flashpage.patches",
     "LLM": "flashpage.engine", "SamplingParams": "flashpage.engine", "RequestOutput": "flashpage.engine",
     "CompletionOutput": "flashpage.engine", "StreamOutput": "flashpage.engine", "EngineStats": "flashpage.engine",
-    "load_tiny_model": "flashpage.tiny",
+    "load_tiny_model": "flashpage.tiny", "RankDivergence": "flashpage.engine.distributed",
 }
 
 __all__ = [

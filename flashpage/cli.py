@@ -56,6 +56,15 @@ def _serve(args: argparse.Namespace) -> int:
                            max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
                            chat_template=args.chat_template, log_level=args.log_level,
                            engine={k: v for k, v in engine.items() if v is not None})
+    size = args.tensor_parallel_size
+    if size < 1:
+        raise ValueError(f"--tensor-parallel-size {size}: give the number of ranks (>= 1)")
+    if size > 1:
+        from flashpage.serve import tp
+
+        if not tp.under_torchrun():  # start the ranks ourselves, on this machine
+            return tp.relaunch(size, args.argv)
+        return tp.run_tp_server(options, size)
     return run_server(options)
 
 
@@ -82,6 +91,9 @@ def _add_serve(sub: Any) -> None:
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
     g.add_argument("--dtype", default=None, help="float32 (default), float16 or bfloat16")
     g.add_argument("--device", default=None, help="e.g. cuda (default: cpu)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over N ranks (tp_plan='auto'); rank 0 serves HTTP. Started here "
+                        "under torchrun on this machine, or launch torchrun yourself (any --nnodes)")
     p.set_defaults(func=_serve)
 
 
@@ -132,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("kernels", "paged decode kernel vs dense SDPA"),
                            ("generate", "patched vs unpatched generate()"),
                            ("engine", "LLM vs HF generate() and HF continuous batching"),
-                           ("hotpath", "per-layer overhead: eager/compiled generate(), LLM(compile=True)")):
+                           ("hotpath", "per-layer overhead: eager/compiled generate(), LLM(compile=True)"),
+                           ("tp", "tensor parallel: per-rank KV memory and throughput, 1 and 2 ranks")):
         b = bsub.add_parser(name, help=helptext)
         b.add_argument("--json", action="store_true", help="print JSON")
         b.add_argument("--plot", metavar="FILE.png", default=None, help="also write a plot")
@@ -140,8 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "engine":
             b.add_argument("--workload", choices=("mixed", "shared-prefix"), default="mixed")
             _add_model(b)
-        if name == "generate":
+        if name in ("generate", "tp"):
             _add_model(b)
+        if name == "tp":
+            b.add_argument("--tp-sizes", default="1,2",
+                           help="rank counts to run, each under its own torchrun on this machine (default 1,2); "
+                                "ignored when launched by torchrun (the launch decides)")
     _add_bench_serve(bsub)
     p.set_defaults(func=_bench)
     _add_serve(sub)
@@ -151,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``flashpage`` console script."""
     args = build_parser().parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # to relaunch the same command (serve -tp)
     func: Callable[[argparse.Namespace], Any] = args.func
     try:
         return int(func(args) or 0)

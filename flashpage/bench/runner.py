@@ -1,4 +1,4 @@
-"""`flashpage bench {kernels,generate,engine,hotpath}`: run one benchmark, print text or JSON, maybe plot.
+"""`flashpage bench {kernels,generate,engine,hotpath,tp}`: run one benchmark, print text or JSON, maybe plot.
 
 Progress goes to stderr, so ``--json`` output on stdout is one JSON document. The exit code is 0
 when the outputs agree (and, for generate, the paged KV stays within its bound); speed never
@@ -42,8 +42,19 @@ def _hotpath(args: argparse.Namespace) -> dict[str, Any]:
     return hotpath.run(quick=args.quick)
 
 
+def _tp(args: argparse.Namespace) -> dict[str, Any]:
+    from flashpage.bench import tp
+
+    sizes = [int(x) for x in str(args.tp_sizes).split(",") if x.strip()]
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--tp-sizes {args.tp_sizes!r}: give rank counts separated by commas, e.g. 1,2")
+    return tp.run(sizes, model_name=getattr(args, "model", None), quick=args.quick)
+
+
 def _format(name: str, result: dict[str, Any]) -> str:
-    if name == "hotpath":
+    if name == "tp":
+        from flashpage.bench.tp import format_report
+    elif name == "hotpath":
         from flashpage.bench.hotpath import format_report
     elif name == "kernels":
         from flashpage.bench.kernels import format_report
@@ -54,7 +65,7 @@ def _format(name: str, result: dict[str, Any]) -> str:
     return format_report(result)
 
 
-_RUNNERS = {"kernels": _kernels, "generate": _generate, "engine": _engine, "hotpath": _hotpath}
+_RUNNERS = {"kernels": _kernels, "generate": _generate, "engine": _engine, "hotpath": _hotpath, "tp": _tp}
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -65,6 +76,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"flashpage bench: unknown benchmark {name!r}; choose from {sorted(_RUNNERS)}", file=sys.stderr)
         return 2
     result = runner(args)
+    if result.get("this_rank", 0) != 0:
+        return 0  # under torchrun: rank 0 prints the rows of every rank
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -7,6 +7,7 @@ chunks together), planned once; logits are computed only for sequences that emit
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import threading
@@ -20,6 +21,7 @@ import torch
 
 from flashpage.cache import PagedKVCache, default_block_size
 from flashpage.engine.compiled import CompiledDecode, default_compile
+from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.sampler import Sampler
@@ -52,6 +54,10 @@ class EngineStats:
     generated_tokens: int
     busy_seconds: float
     compiled_steps: int = 0  # decode steps that ran through the compiled forward (LLM(compile=True))
+    tp_rank: int = 0  # tensor parallel: this process's rank and the group size (1: no TP)
+    tp_size: int = 1
+    kv_heads: int = 0  # KV heads in this rank's pool (under TP: its local heads only)
+    kv_bytes: int = 0  # this rank's KV pool (K and V, all layers)
 
     @property
     def output_tokens_per_second(self) -> float:
@@ -81,7 +87,10 @@ class LLM:
             time per output token.
         compile: run decode-only steps through ``torch.compile(fullgraph=True)`` padded to batch
             and block-table buckets (CUDA graphs on CUDA). Default: on for CUDA, off on CPU
-            (see :func:`flashpage.engine.compiled.default_compile`).
+            (see :func:`flashpage.engine.compiled.default_compile`); off under tensor parallelism.
+        tensor_parallel_size: under ``torchrun``, load a path sharded over this many ranks
+            (``tp_plan="auto"``; every rank builds its LLM); with a model object, checked against the
+            model's own sharding. See README "Tensor parallel".
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, block_size: int | None = None,
@@ -90,10 +99,12 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  check_invariants: bool = False, compile: bool | None = None,
-                 max_prefill_with_decodes: int | None = None) -> None:
+                 max_prefill_with_decodes: int | None = None, tensor_parallel_size: int | None = None) -> None:
         require_supported_transformers()  # before loading anything: say at once why not
         if isinstance(model, (str, os.PathLike)):
-            model, tokenizer = _load(model, tokenizer, dtype, device)
+            model, tokenizer = _load(model, tokenizer, dtype, device, tensor_parallel_size)
+        elif tensor_parallel_size is not None:
+            check_tp_size(model, tensor_parallel_size)
         defaults_allowed = {"block_size": block_size, "num_blocks": num_blocks, "max_model_len": max_model_len,
                             "max_prefill_with_decodes": max_prefill_with_decodes}
         check_positive_ints("LLM: ", {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
@@ -115,6 +126,10 @@ class LLM:
                                   num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
                                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=known_len,
                                   max_num_seqs=max_num_seqs)
+            tp = tp_info(self.model)
+            self._tp = TPSync(tp) if tp is not None else None
+            if self._tp is not None:  # every rank the same pool: the same admissions and preemptions
+                sizing = dataclasses.replace(sizing, num_blocks=self._tp.agree_min(sizing.num_blocks))
             too_small = pool_warning(sizing.num_blocks, sizing.block_size, known_len)
             if too_small:
                 warnings.warn(too_small, stacklevel=2)
@@ -130,7 +145,8 @@ class LLM:
         self._cache = HFPagedCache.wrap(self.kv, config)
         self._cache_kwarg = cache_kwarg(self.model)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_prefill_with_decodes)
-        self.sampler = Sampler(_eos_ids(self.model, tokenizer))
+        self.sampler = Sampler(_eos_ids(self.model, tokenizer),
+                               sync=self._tp.same_tokens if self._tp is not None else None)
         self.max_num_batched_tokens = max_num_batched_tokens
         self._groups: dict[str, Group] = {}
         self._unreported: dict[str, Group] = {}  # add_request()s that finished inside generate()/stream()
@@ -139,7 +155,7 @@ class LLM:
         self._counters = {"steps": 0, "computed": 0, "generated": 0, "busy": 0.0}
         self.step_request_ids: tuple[str, ...] = ()  # requests of the latest step (set even when it raises)
         self.check_invariants = check_invariants
-        use_compile = default_compile(self.device) if compile is None else bool(compile)
+        use_compile = default_compile(self.device) and self._tp is None if compile is None else bool(compile)
         self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
             if use_compile else None
 
@@ -155,11 +171,16 @@ class LLM:
     def abort(self, request_id: str) -> None:
         """Stop a request now: its blocks are freed, and the next step() reports its final output
         once, with finish_reason 'abort'. An unknown id, or a request that already finished (reported
-        or not), is a no-op: aborting races with finishing, so both orders must be safe."""
+        or not), is a no-op: aborting races with finishing, so both orders must be safe.
+        Under tensor parallelism the abort (made on any rank) takes effect on every rank when the
+        next step starts, and that step reports it."""
         if request_id in self._unreported:
             return
         group = self._groups.get(request_id)
         if group is None:
+            return
+        if self._tp is not None:
+            self._tp.note_abort(request_id)
             return
         self._finish_group(group, "abort")
         self._unreported[request_id] = group
@@ -182,7 +203,10 @@ class LLM:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), s.num_blocks, s.in_use,
                            s.free, s.cached, s.block_size, s.hit_rate, self.scheduler.num_preemptions,
                            c["steps"], c["computed"], c["generated"], c["busy"],
-                           self._compiled.steps if self._compiled is not None else 0)
+                           self._compiled.steps if self._compiled is not None else 0,
+                           self._tp.info.rank if self._tp is not None else 0,
+                           self._tp.info.size if self._tp is not None else 1,
+                           self.sizing.num_kv_heads, self.sizing.total_bytes)
 
     # -------------------------------------------------------- batch helpers
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -211,7 +235,7 @@ class LLM:
             finally:
                 for g in groups:
                     if not g.finished:
-                        self._finish_group(g, "abort")
+                        self._abort_here(g)
 
     # ---------------------------------------------------------------- inner
     def _exclusive(self, what: str):
@@ -221,7 +245,7 @@ class LLM:
         return _Release(self._lock)
 
     def _run_until_done(self, groups: list[Group], use_tqdm: bool) -> None:
-        bar = _progress(len(groups), use_tqdm)
+        bar = _progress(len(groups), use_tqdm and (self._tp is None or self._tp.info.is_driver))
         done = 0
         try:
             while not all(g.finished for g in groups):
@@ -233,7 +257,7 @@ class LLM:
         except BaseException:
             for g in groups:
                 if not g.finished:
-                    self._finish_group(g, "abort")
+                    self._abort_here(g)
             raise
         finally:
             if bar is not None:
@@ -291,6 +315,8 @@ class LLM:
         """Register a group built (and fully validated) by _make_group; cannot fail half-way."""
         self._groups[group.request_id] = group
         self.scheduler.add(group.seqs[0])
+        if self._tp is not None:  # driver mode: the followers add it at the next step
+            self._tp.note_add(NewRequest(group.request_id, group.prompt, group.prompt_token_ids, group.params))
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -323,9 +349,15 @@ class LLM:
 
     def _step(self) -> list[Group]:
         self.step_request_ids = ()
+        if self._tp is not None:
+            self._tp_inputs()
+            if self._tp.stopped:  # a follower released by rank 0: no step
+                return []
         schedule = self.scheduler.schedule()
         # which requests this step computes: if it raises, a server fails those (and only those)
         self.step_request_ids = tuple(dict.fromkeys(c.seq.group.request_id for c in schedule.chunks))
+        if self._tp is not None:
+            self._tp_check(schedule)
         if not schedule.chunks:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler could not place any waiting request in the KV pool")
@@ -344,6 +376,32 @@ class LLM:
         if self.check_invariants:
             self.kv.blocks.check_invariants()
         return touched
+
+    def _tp_inputs(self) -> None:
+        """Tensor parallel: add what rank 0 added (followers), apply the aborts any rank made since the
+        last step (see distributed.py); step() reports the aborted requests, as after abort()."""
+        assert self._tp is not None
+        inputs = self._tp.exchange()
+        for r in inputs.adds:
+            group = self._make_group(r.token_ids, r.params, r.request_id)
+            group.prompt = r.prompt
+            self._enqueue(group)
+        for rid in inputs.aborts:
+            group = self._groups.get(rid)
+            if group is not None:
+                self._finish_group(group, "abort")
+                self._unreported[rid] = group
+
+    def _tp_check(self, schedule: Schedule) -> None:
+        """Tensor parallel: every rank must run this very step; otherwise undo it and raise on all ranks."""
+        assert self._tp is not None
+        parts = [(c.seq.group.request_id, c.seq.index, c.start, c.token_ids) for c in schedule.chunks]
+        digest = step_digest(parts, [(s.group.request_id, s.index) for s in schedule.preempted])
+        try:
+            self._tp.check_step(digest, f"{len(parts)} chunks, {schedule.num_tokens} tokens")
+        except BaseException:
+            self.scheduler.rollback(schedule)
+            raise
 
     def _forward(self, schedule: Schedule, emitting: list[Chunk]) -> torch.Tensor:
         chunks = schedule.chunks
@@ -465,6 +523,13 @@ class LLM:
             group.metrics.finish_time = time.perf_counter()
             self._groups.pop(group.request_id, None)
 
+    def _abort_here(self, group: Group) -> None:
+        """End a request of a generate()/stream() left early, now; under tensor parallelism the other
+        ranks (if they still run it) end it when the next step starts."""
+        self._finish_group(group, "abort")
+        if self._tp is not None:
+            self._tp.note_abort(group.request_id)
+
     def _finish_group(self, group: Group, reason: str) -> None:
         while len(group.seqs) < group.params.n:  # samples never forked end too
             group.new_seq(len(group.seqs), group.prompt_token_ids)
@@ -529,11 +594,15 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return [int(t) for t in ids if t is not None]
 
 
-def _load(path: str | os.PathLike, tokenizer: Any, dtype: torch.dtype | None, device: Any) -> tuple[Any, Any]:
+def _load(path: str | os.PathLike, tokenizer: Any, dtype: torch.dtype | None, device: Any,
+          tensor_parallel_size: int | None = None) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _check_model_path(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
+    if tensor_parallel_size is not None and tensor_parallel_size != 1:
+        model = load_tp_model(path, dtype or "auto", tensor_parallel_size, device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
     if device is not None:
         model = model.to(device)
     if tokenizer is None:

@@ -9,7 +9,7 @@ the global RNG. Log-probabilities are those of the model's raw logits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -22,10 +22,13 @@ class Sampler:
 
     Args:
         eos_token_ids: ids that end a sequence unless ``ignore_eos``.
+        sync: maps the chosen tokens to the ones to keep, before log-probabilities are recorded
+            (tensor parallel: rank 0's tokens on every rank, see ``flashpage.engine.distributed``).
     """
 
-    def __init__(self, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, eos_token_ids: Sequence[int], sync: Callable[[list[int]], list[int]] | None = None) -> None:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.sync = sync
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[Seq]) -> list[int]:
         """Choose one token per row.
@@ -47,6 +50,8 @@ class Sampler:
             chosen[i] = self._sample_seeded(scores[i], seqs[i])
         if unseeded:
             _put(chosen, unseeded, self._sample_batched(scores[unseeded], [seqs[i] for i in unseeded]))
+        if self.sync is not None:
+            chosen = self.sync(chosen)
         self._record_logprobs(raw, seqs, chosen)
         return chosen
 

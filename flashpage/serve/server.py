@@ -97,12 +97,13 @@ def _dtype(name: str | None) -> dict[str, Any]:
     return {"dtype": value}
 
 
-def run_server(options: ServeOptions) -> int:
-    """Serve until SIGTERM/SIGINT, then drain and return 0."""
+def run_server(options: ServeOptions, engine: AsyncLLM | None = None) -> int:
+    """Serve until SIGTERM/SIGINT, then drain and return 0. ``engine``: one already built (tensor
+    parallel rank 0, see :mod:`flashpage.serve.tp`); default: built from ``options``."""
     from flashpage.serve.app import build_app
 
     template = read_chat_template(options.chat_template)
-    engine = build_engine(options)
+    engine = engine if engine is not None else build_engine(options)
     name = options.served_model_name or options.model or TINY_MODEL_NAME
     app = build_app(engine, name, chat_template=template, close_on_shutdown=False)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,

@@ -183,6 +183,10 @@ class DeviceStep:
                                        opts.softcap > 0, qh.shape[-1])
         if kernel is not None:
             return kernel.kvcache(qh.transpose(1, 2), k_pages, v_pages, table, self.seqlens_k, opts).transpose(1, 2)
+        plan = self.plan
+        if qh.shape[2] == 1 and opts.window_size[0] < 0 and plan.key_lens and min(plan.key_lens) == plan.max_seqlen_k:
+            return paged.attend_static(qh, k_pages, v_pages, table, self.seqlens_k, opts, s_aux,
+                                       all_keys=plan.max_seqlen_k)  # equal lengths: no mask needed
         return paged.attend_static(qh, k_pages, v_pages, table, self.seqlens_k, opts, s_aux,
                                    self._mask(qh.shape[2], k_pages.shape[1], opts), self.empty_rows)
 
@@ -246,17 +250,21 @@ def _move(plan: StepPlan, device: torch.device) -> DeviceStep:
     """The plan's tensors on ``device``: on the host they are views of one int32 buffer (block table,
     key lengths, prefix sums) and one int64 buffer (slots, indices), so a device gets two copies
     (pinned and non-blocking on CUDA) and views of them."""
-    int_parts = [plan.block_table.reshape(-1), plan.seqlens_k, plan.cu_seqlens_q, plan.cu_seqlens_k]
     long_parts = [plan.input_slots, plan.token_index, plan.pad_rows, plan.pad_seqs, plan.pad_visible]
-    ints = plan.host_ints if plan.host_ints is not None else _joined(int_parts, torch.int32)
-    i_views = _split(_to(ints, device), int_parts)
-    l_views = _split(_to(_joined(long_parts, torch.int64), device), long_parts)
-    table, seqlens, cu_q, cu_k = i_views
-    slots, token_index, pad_rows, pad_seqs, pad_visible = l_views
+    if device == plan.block_table.device:  # the host tensors are already where they are needed
+        table, seqlens, cu_q, cu_k = plan.block_table, plan.seqlens_k, plan.cu_seqlens_q, plan.cu_seqlens_k
+        slots, token_index, pad_rows, pad_seqs, pad_visible = long_parts
+    else:
+        int_parts = [plan.block_table.reshape(-1), plan.seqlens_k, plan.cu_seqlens_q, plan.cu_seqlens_k]
+        ints = plan.host_ints if plan.host_ints is not None else _joined(int_parts, torch.int32)
+        table, seqlens, cu_q, cu_k = _split(_to(ints, device), int_parts)
+        table = table.view(plan.block_table.shape)
+        slots, token_index, pad_rows, pad_seqs, pad_visible = _split(_to(_joined(long_parts, torch.int64), device),
+                                                                     long_parts)
     return DeviceStep(
         plan=plan,
         input_slots=slots,
-        block_table=table.view(plan.block_table.shape),
+        block_table=table,
         seqlens_k=seqlens,
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,

@@ -87,7 +87,8 @@ def visible_keys(seqlens_k: torch.Tensor, seqlen_q: int, width: int, causal: boo
 
 def attend_static(qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                   seqlens_k: torch.Tensor, opts: LayerOptions, s_aux: torch.Tensor | None = None,
-                  visible: torch.Tensor | None = None, empty_rows: bool = True) -> torch.Tensor:
+                  visible: torch.Tensor | None = None, empty_rows: bool = True,
+                  all_keys: int | None = None) -> torch.Tensor:
     """Paged attention of qh (B, H, Sq, D) over ``block_table.shape[1]`` pages per sequence.
 
     flash-attn's ``flash_attn_with_kvcache`` semantics on pages that already hold the step's keys.
@@ -96,7 +97,9 @@ def attend_static(qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     Sq == 1 ignores ``causal`` as flash-attn does. s_aux: (H,) attention-sink logits or None. A
     query row with no visible key returns 0. ``visible``: the mask :func:`visible_keys` gives for
     these arguments, when the caller already has it; ``empty_rows=False``: the caller knows every
-    query row sees a key (skips the fix-up). Returns (B, H, Sq, Dv) in qh's dtype; shapes depend
+    query row sees a key (skips the fix-up). ``all_keys``: the caller knows every sequence sees
+    exactly its first ``all_keys`` keys (equal lengths, one query each, no window): no mask at all.
+    Returns (B, H, Sq, Dv) in qh's dtype; shapes depend
     only on the inputs' shapes, never on their values.
     """
     b, heads, sq, d = qh.shape
@@ -105,6 +108,10 @@ def attend_static(qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     ids = block_table.reshape(-1)
     k = k_pages.index_select(0, ids).view(b, width, kv_heads, d).transpose(1, 2)  # (B, Hk, W, D)
     v = v_pages.index_select(0, ids).view(b, width, kv_heads, v_pages.shape[-1]).transpose(1, 2)
+    if all_keys is not None and opts.softcap == 0 and s_aux is None:
+        scale = d**-0.5 if opts.softmax_scale is None else float(opts.softmax_scale)
+        return F.scaled_dot_product_attention(qh, k[:, :, :all_keys], v[:, :, :all_keys], scale=scale,
+                                              enable_gqa=heads != kv_heads).to(qh.dtype)
     if visible is None:
         visible = visible_keys(seqlens_k, sq, width, opts.causal and sq > 1, opts.window_size)
     scale = d**-0.5 if opts.softmax_scale is None else float(opts.softmax_scale)

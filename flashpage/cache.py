@@ -284,9 +284,7 @@ class PagedKVCache:
             context = self._allocate(seq_ids, counts, token_ids)
         tables = [self.blocks.block_table(s) for s in seq_ids]
         self._copy_blocks(self.blocks.pop_copies())
-        plan = build_plan(list(seq_ids), counts, context, tables, self.block_size, layout, table_width)
-        plan.pages = self
-        return plan
+        return build_plan(list(seq_ids), counts, context, tables, self.block_size, layout, table_width)
 
     def _allocate(self, seq_ids: Sequence[Hashable], counts: list[int],
                   token_ids: Sequence[Sequence[int] | None] | None) -> list[int]:

@@ -93,7 +93,6 @@ class StepPlan:
     pad_rows: torch.Tensor | None = None  # (R,) input positions of right-pad queries that attend
     pad_seqs: torch.Tensor | None = None  # (R,) their sequence index
     pad_visible: torch.Tensor | None = None  # (R,) keys each of them sees
-    pages: object = None  # the PagedKVCache whose pages the layers read (set by PagedKVCache.plan)
     host_ints: torch.Tensor | None = None  # the int32 buffer block_table .. cu_seqlens_k are views of
     # packed input, varlen mode: runs of sequences with one query length, (first token, first
     # sequence, sequences, query length) each: the PyTorch kernels attend run by run
@@ -117,10 +116,6 @@ class StepPlan:
         if step is None:
             step = self._on_device[dev] = _move(self, dev)
         return step
-
-    def on(self, device: torch.device | str) -> DeviceStep:
-        """Alias of :meth:`to`."""
-        return self.to(device)
 
 
 @dataclass
@@ -402,7 +397,7 @@ def pad_decode(plan: StepPlan, rows: int) -> StepPlan:
         cu_seqlens_q=torch.cat([zero, ones.cumsum(0, dtype=torch.int32)]),
         cu_seqlens_k=torch.cat([zero, seqlens.cumsum(0, dtype=torch.int32)]),
         max_seqlen_q=1, max_seqlen_k=plan.max_seqlen_k, uniform_query=True, key_lens=plan.key_lens + [0] * extra,
-        all_written=False, empty_rows=True, pages=plan.pages,
+        all_written=False, empty_rows=True,
     )
 
 

@@ -140,6 +140,7 @@ class DeviceStep:
     read_blocks: int
     all_written: bool  # no input position is skipped (no -1 slot)
     empty_rows: bool  # some query row may see no key (left padding, empty sequences)
+    equal_keys: bool  # every sequence sees max_seqlen_k keys
     _masks: dict = field(default_factory=dict, repr=False)
 
     def write(self, k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -178,21 +179,22 @@ class DeviceStep:
                                        opts.softcap > 0, qh.shape[-1])
         if kernel is not None:
             return kernel.kvcache(qh.transpose(1, 2), k_pages, v_pages, table, self.seqlens_k, opts).transpose(1, 2)
-        plan = self.plan
-        if qh.shape[2] == 1 and opts.window_size[0] < 0 and plan.key_lens and min(plan.key_lens) == plan.max_seqlen_k:
+        sq = qh.shape[2]
+        if sq == 1 and opts.window_size[0] < 0 and self.equal_keys:
             return paged.attend_static(qh, k_pages, v_pages, table, self.seqlens_k, opts, s_aux,
-                                       all_keys=plan.max_seqlen_k)  # equal lengths: no mask needed
-        return paged.attend_static(qh, k_pages, v_pages, table, self.seqlens_k, opts, s_aux,
-                                   self._mask(qh.shape[2], k_pages.shape[1], opts), self.empty_rows)
+                                       all_keys=self.plan.max_seqlen_k)  # equal lengths: no mask needed
+        mask = self._mask(None, self.seqlens_k, sq, self.read_blocks * k_pages.shape[1], opts)
+        return paged.attend_static(qh, k_pages, v_pages, table, self.seqlens_k, opts, s_aux, mask, self.empty_rows)
 
-    def _mask(self, seqlen_q: int, page: int, opts: LayerOptions) -> torch.Tensor:
-        """The visible-key mask for these options (eager: built once per step, shared by layers)."""
+    def _mask(self, run: int | None, seqlens_k: torch.Tensor, seqlen_q: int, width: int,
+              opts: LayerOptions) -> torch.Tensor:
+        """The visible-key mask of the whole step (``run`` None) or of one run of sequences, for
+        these options: built once per step, shared by the layers."""
         causal = opts.causal and seqlen_q > 1
-        key = (seqlen_q, causal, opts.window_size)
+        key = (run, causal, opts.window_size)
         mask = self._masks.get(key)
         if mask is None:
-            width = self.read_blocks * page
-            mask = self._masks[key] = paged.visible_keys(self.seqlens_k, seqlen_q, width, causal, opts.window_size)
+            mask = self._masks[key] = paged.visible_keys(seqlens_k, seqlen_q, width, causal, opts.window_size)
         return mask
 
     def _segments(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
@@ -205,12 +207,7 @@ class DeviceStep:
             rows = slice(seq0, seq0 + n)
             seqlens = self.seqlens_k[rows]
             table = self.block_table[rows, : -(-max(self.plan.key_lens[rows]) // self.plan.block_size)]
-            causal = opts.causal and sq > 1
-            key = (i, causal, opts.window_size)
-            mask = self._masks.get(key)
-            if mask is None:
-                width = table.shape[1] * k_pages.shape[1]
-                mask = self._masks[key] = paged.visible_keys(seqlens, sq, width, causal, opts.window_size)
+            mask = self._mask(i, seqlens, sq, table.shape[1] * k_pages.shape[1], opts)
             out = paged.attend_static(qh, k_pages, v_pages, table, seqlens, opts, s_aux, mask, self.empty_rows)
             outs.append(out.transpose(1, 2).reshape(n * sq, *out.shape[1:2], out.shape[-1]))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -270,6 +267,7 @@ def _move(plan: StepPlan, device: torch.device) -> DeviceStep:
         read_blocks=max(1, -(-plan.max_seqlen_k // plan.block_size)),
         all_written=plan.all_written,
         empty_rows=plan.empty_rows,
+        equal_keys=bool(plan.key_lens) and min(plan.key_lens) == plan.max_seqlen_k,
     )
 
 

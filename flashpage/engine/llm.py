@@ -419,23 +419,21 @@ class LLM:
             if compiled is not None and compiled.eligible([c.num_tokens for c in chunks], [c.emits for c in chunks]):
                 with torch.inference_mode():
                     logits = compiled.forward(compiled.plan(self.kv, seq_ids), ids, pos)
-                for c in chunks:
-                    c.seq.num_computed = c.start + c.num_tokens
-                return logits
-            plan = self.kv.plan(seq_ids, [c.num_tokens for c in chunks], allocated=True)
-            self._cache.set_plan(plan, self.device)
-            with torch.inference_mode():
-                out = self.model(input_ids=torch.tensor([ids], device=self.device),
-                                 position_ids=torch.tensor([pos], device=self.device), use_cache=True,
-                                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-                                 **{self._cache_kwarg: self._cache})
+            else:
+                plan = self.kv.plan(seq_ids, [c.num_tokens for c in chunks], allocated=True)
+                self._cache.set_plan(plan, self.device)
+                with torch.inference_mode():
+                    logits = self.model(input_ids=torch.tensor([ids], device=self.device),
+                                        position_ids=torch.tensor([pos], device=self.device), use_cache=True,
+                                        logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+                                        **{self._cache_kwarg: self._cache}).logits[0]
         except BaseException:
             self._cache.end_forward(ok=False)
             self.scheduler.rollback(schedule)  # give back this step's slots: the cache is as before
             raise
         for c in chunks:
             c.seq.num_computed = c.start + c.num_tokens
-        return out.logits[0]
+        return logits
 
     def _ensure_patched(self) -> None:
         """Re-patch if someone unpatched the model (or switched its attention) since the last step."""

@@ -28,6 +28,7 @@ from flashpage.engine.sampler import Sampler
 from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
 from flashpage.engine.sequence import Group, Seq
 from flashpage.engine.sizing import KVSizing, plan_kv_pool, pool_warning
+from flashpage.engine.weights import WeightWatcher, forget_kv
 from flashpage.errors import check_positive_ints
 from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
 from flashpage.patches.compat import cache_kwarg, require_supported_transformers
@@ -158,6 +159,7 @@ class LLM:
         use_compile = default_compile(self.device) and self._tp is None if compile is None else bool(compile)
         self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
             if use_compile else None
+        self._weights = WeightWatcher(self.model)  # KV of older weights is dropped, never reused (weights.py)
 
     # ------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
@@ -192,6 +194,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one packed forward; returns the outputs of requests that progressed this step, preceded
         by the final outputs of add_request() requests that finished while a generate()/stream() ran."""
+        self._check_weights(full=False)
         touched = self._step()
         pending = list(self._unreported.values())
         self._unreported.clear()
@@ -214,6 +217,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
         with self._exclusive("generate"):
+            self._check_weights()
             groups = self._make_groups(prompts, sampling_params)
             for g in groups:
                 self._enqueue(g)
@@ -224,6 +228,7 @@ class LLM:
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StreamOutput]:
         """Yield each sample's new tokens (ids and text delta) as they are produced."""
         with self._exclusive("stream"):
+            self._check_weights()
             groups = self._make_groups(prompts, sampling_params, streamed=True)
             for g in groups:
                 self._enqueue(g)
@@ -236,6 +241,24 @@ class LLM:
                 for g in groups:
                     if not g.finished:
                         self._abort_here(g)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all KV computed so far (as vLLM's): the prefix cache is emptied and running requests
+        are recomputed from their tokens at their next step. The engine does this by itself when it
+        sees the weights change (see :mod:`flashpage.engine.weights`); call it after changes it cannot
+        see (writes through ``param.data`` in place). Returns True."""
+        forget_kv(self.scheduler, self.kv)
+        return True
+
+    @property
+    def weights_version(self) -> int:
+        """How many weight changes the engine has seen (each one dropped the KV computed before it)."""
+        return self._weights.version
+
+    def _check_weights(self, full: bool = True) -> None:
+        """Once per generate()/stream()/step() call: KV computed with older weights is never reused."""
+        if self._weights.changed(full=full):
+            forget_kv(self.scheduler, self.kv)
 
     # ---------------------------------------------------------------- inner
     def _exclusive(self, what: str):

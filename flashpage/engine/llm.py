@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from flashpage.cache import PagedKVCache, default_block_size
+from flashpage.cache import KVGroup, PagedKVCache, default_block_size
 from flashpage.engine.compiled import CompiledDecode, default_compile
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
@@ -58,6 +58,7 @@ class EngineStats:
     tp_size: int = 1
     kv_heads: int = 0  # KV heads in this rank's pool (under TP: its local heads only)
     kv_bytes: int = 0  # this rank's KV pool (K and V, all layers)
+    kv_groups: tuple[KVGroup, ...] = ()  # the page pools, one per K/V geometry (Gemma 4: sliding and global layers)
 
     @property
     def output_tokens_per_second(self) -> float:
@@ -137,7 +138,8 @@ class LLM:
             self.kv = PagedKVCache(sizing.num_layers, sizing.num_kv_heads, sizing.head_dim,
                                    v_head_dim=sizing.v_head_dim, num_blocks=sizing.num_blocks,
                                    block_size=sizing.block_size, dtype=sizing.dtype, device=sizing.layer_devices,
-                                   enable_prefix_caching=enable_prefix_caching)
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   layer_geometry=sizing.layer_geometry, shared_layers=sizing.shared_layers)
         except BaseException:  # leave the model as it was given
             if not was_patched:
                 unpatch(self.model)
@@ -206,7 +208,7 @@ class LLM:
                            self._compiled.steps if self._compiled is not None else 0,
                            self._tp.info.rank if self._tp is not None else 0,
                            self._tp.info.size if self._tp is not None else 1,
-                           self.sizing.num_kv_heads, self.sizing.total_bytes)
+                           self.sizing.num_kv_heads, self.sizing.total_bytes, tuple(self.kv.groups()))
 
     # -------------------------------------------------------- batch helpers
     def generate(self, prompts: Prompt | Sequence[Prompt],

@@ -20,8 +20,10 @@ from typing import Any
 import torch
 
 from flashpage.cache import KVGroup, PagedKVCache, default_block_size
+from flashpage.engine import prompt_logprobs
 from flashpage.engine.compiled import CompiledDecode, default_compile
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
+from flashpage.engine.limits import context_overflow
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.sampler import Sampler
@@ -296,6 +298,7 @@ class LLM:
         params.__post_init__()  # re-validate: fields may have been changed after construction
         text, ids = self._tokenize(prompt)
         self._validate_prompt(ids, params)
+        self._check_context(len(ids), params)
         rid = request_id if request_id is not None else self._next_id()
         if rid in self._groups:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -349,6 +352,16 @@ class LLM:
                              f"({need - self.kv.num_blocks} too many); give the LLM more KV memory "
                              "(num_blocks= or kv_cache_memory=) or shorten the prompt")
 
+    def _check_context(self, num_prompt: int, params: SamplingParams) -> None:
+        """Prompt + max_tokens beyond max_model_len: ValueError, or (opted in) a warning and a shorter output."""
+        problem = context_overflow(num_prompt, params.max_tokens, self.max_model_len)
+        if problem is None:
+            return
+        if not params.truncate_max_tokens:
+            raise ValueError(f"{problem}, or pass SamplingParams(truncate_max_tokens=True) to generate only what fits")
+        warnings.warn(f"{problem}; truncate_max_tokens=True: generating at most "
+                      f"{self.max_model_len - num_prompt} tokens", stacklevel=4)
+
     def _step(self) -> list[Group]:
         self.step_request_ids = ()
         if self._tp is not None:
@@ -366,8 +379,12 @@ class LLM:
             return []
         start = time.perf_counter()
         emitting = [c for c in schedule.chunks if c.emits]
-        logits = self._forward(schedule, emitting)
+        prompt_rows = prompt_logprobs.plan_rows(schedule.chunks)
+        logits = self._forward(schedule, emitting, prompt_rows.flat)
         try:
+            if prompt_rows:  # kept after the emitting chunks' rows
+                prompt_logprobs.record(prompt_rows, logits[len(emitting):])
+                logits = logits[:len(emitting)]
             touched = self._postprocess(emitting, logits)
         except BaseException:
             self._unsample()
@@ -405,7 +422,9 @@ class LLM:
             self.scheduler.rollback(schedule)
             raise
 
-    def _forward(self, schedule: Schedule, emitting: list[Chunk]) -> torch.Tensor:
+    def _forward(self, schedule: Schedule, emitting: list[Chunk], extra_rows: Sequence[int] = ()) -> torch.Tensor:
+        """Logits (len(emitting) + len(extra_rows), V): each emitting chunk's last row, then the packed
+        rows ``extra_rows`` (prompt logprobs)."""
         chunks = schedule.chunks
         ids: list[int] = []
         pos: list[int] = []
@@ -413,8 +432,8 @@ class LLM:
             ids.extend(c.token_ids)
             pos.extend(range(c.start, c.start + c.num_tokens))
         ends = list(itertools.accumulate(c.num_tokens for c in chunks))
-        keep = [e - 1 for c, e in zip(chunks, ends, strict=True) if c.emits]
-        compiled = self._compiled
+        keep = [e - 1 for c, e in zip(chunks, ends, strict=True) if c.emits] + list(extra_rows)
+        compiled = self._compiled if not extra_rows else None
         try:
             self._ensure_patched()
             seq_ids = [c.seq.seq_id for c in chunks]

@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
-from flashpage.cache import PagedKVCache, default_block_size
+from flashpage.cache import KVGroup, PagedKVCache, default_block_size
+from flashpage.engine import prompt_logprobs
 from flashpage.engine.compiled import CompiledDecode, default_compile
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
+from flashpage.engine.limits import context_overflow
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.sampler import Sampler
@@ -59,6 +61,7 @@ class EngineStats:
     tp_size: int = 1
     kv_heads: int = 0  # KV heads in this rank's pool (under TP: its local heads only)
     kv_bytes: int = 0  # this rank's KV pool (K and V, all layers)
+    kv_groups: tuple[KVGroup, ...] = ()  # the page pools, one per K/V geometry (Gemma 4: sliding and global layers)
 
     @property
     def output_tokens_per_second(self) -> float:
@@ -138,7 +141,8 @@ class LLM:
             self.kv = PagedKVCache(sizing.num_layers, sizing.num_kv_heads, sizing.head_dim,
                                    v_head_dim=sizing.v_head_dim, num_blocks=sizing.num_blocks,
                                    block_size=sizing.block_size, dtype=sizing.dtype, device=sizing.layer_devices,
-                                   enable_prefix_caching=enable_prefix_caching)
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   layer_geometry=sizing.layer_geometry, shared_layers=sizing.shared_layers)
         except BaseException:  # leave the model as it was given
             if not was_patched:
                 unpatch(self.model)
@@ -209,7 +213,7 @@ class LLM:
                            self._compiled.steps if self._compiled is not None else 0,
                            self._tp.info.rank if self._tp is not None else 0,
                            self._tp.info.size if self._tp is not None else 1,
-                           self.sizing.num_kv_heads, self.sizing.total_bytes)
+                           self.sizing.num_kv_heads, self.sizing.total_bytes, tuple(self.kv.groups()))
 
     # -------------------------------------------------------- batch helpers
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -317,6 +321,7 @@ class LLM:
         params.__post_init__()  # re-validate: fields may have been changed after construction
         text, ids = self._tokenize(prompt)
         self._validate_prompt(ids, params)
+        self._check_context(len(ids), params)
         rid = request_id if request_id is not None else self._next_id()
         if rid in self._groups:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -370,6 +375,16 @@ class LLM:
                              f"({need - self.kv.num_blocks} too many); give the LLM more KV memory "
                              "(num_blocks= or kv_cache_memory=) or shorten the prompt")
 
+    def _check_context(self, num_prompt: int, params: SamplingParams) -> None:
+        """Prompt + max_tokens beyond max_model_len: ValueError, or (opted in) a warning and a shorter output."""
+        problem = context_overflow(num_prompt, params.max_tokens, self.max_model_len)
+        if problem is None:
+            return
+        if not params.truncate_max_tokens:
+            raise ValueError(f"{problem}, or pass SamplingParams(truncate_max_tokens=True) to generate only what fits")
+        warnings.warn(f"{problem}; truncate_max_tokens=True: generating at most "
+                      f"{self.max_model_len - num_prompt} tokens", stacklevel=4)
+
     def _step(self) -> list[Group]:
         self.step_request_ids = ()
         if self._tp is not None:
@@ -387,8 +402,12 @@ class LLM:
             return []
         start = time.perf_counter()
         emitting = [c for c in schedule.chunks if c.emits]
-        logits = self._forward(schedule, emitting)
+        prompt_rows = prompt_logprobs.plan_rows(schedule.chunks)
+        logits = self._forward(schedule, emitting, prompt_rows.flat)
         try:
+            if prompt_rows:  # kept after the emitting chunks' rows
+                prompt_logprobs.record(prompt_rows, logits[len(emitting):])
+                logits = logits[:len(emitting)]
             touched = self._postprocess(emitting, logits)
         except BaseException:
             self._unsample()
@@ -426,7 +445,9 @@ class LLM:
             self.scheduler.rollback(schedule)
             raise
 
-    def _forward(self, schedule: Schedule, emitting: list[Chunk]) -> torch.Tensor:
+    def _forward(self, schedule: Schedule, emitting: list[Chunk], extra_rows: Sequence[int] = ()) -> torch.Tensor:
+        """Logits (len(emitting) + len(extra_rows), V): each emitting chunk's last row, then the packed
+        rows ``extra_rows`` (prompt logprobs)."""
         chunks = schedule.chunks
         ids: list[int] = []
         pos: list[int] = []
@@ -434,8 +455,8 @@ class LLM:
             ids.extend(c.token_ids)
             pos.extend(range(c.start, c.start + c.num_tokens))
         ends = list(itertools.accumulate(c.num_tokens for c in chunks))
-        keep = [e - 1 for c, e in zip(chunks, ends, strict=True) if c.emits]
-        compiled = self._compiled
+        keep = [e - 1 for c, e in zip(chunks, ends, strict=True) if c.emits] + list(extra_rows)
+        compiled = self._compiled if not extra_rows else None
         try:
             self._ensure_patched()
             seq_ids = [c.seq.seq_id for c in chunks]

@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
-from flashpage.cache import PagedKVCache, default_block_size
+from flashpage.cache import KVGroup, PagedKVCache, default_block_size
+from flashpage.engine import prompt_logprobs
 from flashpage.engine.compiled import CompiledDecode, default_compile
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
+from flashpage.engine.limits import context_overflow
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.sampler import Sampler
@@ -29,6 +31,7 @@ from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
 from flashpage.engine.sequence import Group, Seq
 from flashpage.engine.sizing import KVSizing, plan_kv_pool, pool_warning
 from flashpage.engine.structured import GrammarEngine
+from flashpage.engine.weights import WeightWatcher, forget_kv
 from flashpage.errors import check_positive_ints
 from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
 from flashpage.patches.compat import cache_kwarg, require_supported_transformers
@@ -59,6 +62,7 @@ class EngineStats:
     tp_size: int = 1
     kv_heads: int = 0  # KV heads in this rank's pool (under TP: its local heads only)
     kv_bytes: int = 0  # this rank's KV pool (K and V, all layers)
+    kv_groups: tuple[KVGroup, ...] = ()  # the page pools, one per K/V geometry (Gemma 4: sliding and global layers)
 
     @property
     def output_tokens_per_second(self) -> float:
@@ -138,7 +142,8 @@ class LLM:
             self.kv = PagedKVCache(sizing.num_layers, sizing.num_kv_heads, sizing.head_dim,
                                    v_head_dim=sizing.v_head_dim, num_blocks=sizing.num_blocks,
                                    block_size=sizing.block_size, dtype=sizing.dtype, device=sizing.layer_devices,
-                                   enable_prefix_caching=enable_prefix_caching)
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   layer_geometry=sizing.layer_geometry, shared_layers=sizing.shared_layers)
         except BaseException:  # leave the model as it was given
             if not was_patched:
                 unpatch(self.model)
@@ -160,6 +165,7 @@ class LLM:
         use_compile = default_compile(self.device) and self._tp is None if compile is None else bool(compile)
         self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
             if use_compile else None
+        self._weights = WeightWatcher(self.model)  # KV of older weights is dropped, never reused (weights.py)
 
     # ------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
@@ -194,6 +200,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one packed forward; returns the outputs of requests that progressed this step, preceded
         by the final outputs of add_request() requests that finished while a generate()/stream() ran."""
+        self._check_weights(full=False)
         touched = self._step()
         pending = list(self._unreported.values())
         self._unreported.clear()
@@ -208,7 +215,7 @@ class LLM:
                            self._compiled.steps if self._compiled is not None else 0,
                            self._tp.info.rank if self._tp is not None else 0,
                            self._tp.info.size if self._tp is not None else 1,
-                           self.sizing.num_kv_heads, self.sizing.total_bytes)
+                           self.sizing.num_kv_heads, self.sizing.total_bytes, tuple(self.kv.groups()))
 
     # -------------------------------------------------------- batch helpers
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -216,6 +223,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
         with self._exclusive("generate"):
+            self._check_weights()
             groups = self._make_groups(prompts, sampling_params)
             for g in groups:
                 self._enqueue(g)
@@ -226,6 +234,7 @@ class LLM:
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StreamOutput]:
         """Yield each sample's new tokens (ids and text delta) as they are produced."""
         with self._exclusive("stream"):
+            self._check_weights()
             groups = self._make_groups(prompts, sampling_params, streamed=True)
             for g in groups:
                 self._enqueue(g)
@@ -238,6 +247,24 @@ class LLM:
                 for g in groups:
                     if not g.finished:
                         self._abort_here(g)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all KV computed so far (as vLLM's): the prefix cache is emptied and running requests
+        are recomputed from their tokens at their next step. The engine does this by itself when it
+        sees the weights change (see :mod:`flashpage.engine.weights`); call it after changes it cannot
+        see (writes through ``param.data`` in place). Returns True."""
+        forget_kv(self.scheduler, self.kv)
+        return True
+
+    @property
+    def weights_version(self) -> int:
+        """How many weight changes the engine has seen (each one dropped the KV computed before it)."""
+        return self._weights.version
+
+    def _check_weights(self, full: bool = True) -> None:
+        """Once per generate()/stream()/step() call: KV computed with older weights is never reused."""
+        if self._weights.changed(full=full):
+            forget_kv(self.scheduler, self.kv)
 
     # ---------------------------------------------------------------- inner
     def _exclusive(self, what: str):
@@ -296,6 +323,7 @@ class LLM:
         params.__post_init__()  # re-validate: fields may have been changed after construction
         text, ids = self._tokenize(prompt)
         self._validate_prompt(ids, params)
+        self._check_context(len(ids), params)
         rid = request_id if request_id is not None else self._next_id()
         if rid in self._groups:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -356,6 +384,16 @@ class LLM:
                              f"({need - self.kv.num_blocks} too many); give the LLM more KV memory "
                              "(num_blocks= or kv_cache_memory=) or shorten the prompt")
 
+    def _check_context(self, num_prompt: int, params: SamplingParams) -> None:
+        """Prompt + max_tokens beyond max_model_len: ValueError, or (opted in) a warning and a shorter output."""
+        problem = context_overflow(num_prompt, params.max_tokens, self.max_model_len)
+        if problem is None:
+            return
+        if not params.truncate_max_tokens:
+            raise ValueError(f"{problem}, or pass SamplingParams(truncate_max_tokens=True) to generate only what fits")
+        warnings.warn(f"{problem}; truncate_max_tokens=True: generating at most "
+                      f"{self.max_model_len - num_prompt} tokens", stacklevel=4)
+
     def _step(self) -> list[Group]:
         self.step_request_ids = ()
         if self._tp is not None:
@@ -373,8 +411,12 @@ class LLM:
             return []
         start = time.perf_counter()
         emitting = [c for c in schedule.chunks if c.emits]
-        logits = self._forward(schedule, emitting)
+        prompt_rows = prompt_logprobs.plan_rows(schedule.chunks)
+        logits = self._forward(schedule, emitting, prompt_rows.flat)
         try:
+            if prompt_rows:  # kept after the emitting chunks' rows
+                prompt_logprobs.record(prompt_rows, logits[len(emitting):])
+                logits = logits[:len(emitting)]
             touched = self._postprocess(emitting, logits)
         except BaseException:
             self._unsample()
@@ -412,7 +454,9 @@ class LLM:
             self.scheduler.rollback(schedule)
             raise
 
-    def _forward(self, schedule: Schedule, emitting: list[Chunk]) -> torch.Tensor:
+    def _forward(self, schedule: Schedule, emitting: list[Chunk], extra_rows: Sequence[int] = ()) -> torch.Tensor:
+        """Logits (len(emitting) + len(extra_rows), V): each emitting chunk's last row, then the packed
+        rows ``extra_rows`` (prompt logprobs)."""
         chunks = schedule.chunks
         ids: list[int] = []
         pos: list[int] = []
@@ -420,8 +464,8 @@ class LLM:
             ids.extend(c.token_ids)
             pos.extend(range(c.start, c.start + c.num_tokens))
         ends = list(itertools.accumulate(c.num_tokens for c in chunks))
-        keep = [e - 1 for c, e in zip(chunks, ends, strict=True) if c.emits]
-        compiled = self._compiled
+        keep = [e - 1 for c, e in zip(chunks, ends, strict=True) if c.emits] + list(extra_rows)
+        compiled = self._compiled if not extra_rows else None
         try:
             self._ensure_patched()
             seq_ids = [c.seq.seq_id for c in chunks]

@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 from flashpage.blocks import BlockManager, BlockStats
-from flashpage.cache import PagedKVCache, StepPlan, default_block_size
+from flashpage.cache import KVGroup, LayerGeometry, PagedKVCache, StepPlan, default_block_size
 from flashpage.errors import (
     CapacityError,
     FlashpageError,
@@ -37,7 +37,7 @@ _LAZY = {
 
 __all__ = [
     "BlockManager", "BlockStats", "CapacityError", "FlashpageError", "InvariantError", "KernelInputError",
-    "NoFreeBlocksError", "PagedKVCache", "StepPlan", "UnknownSequenceError", "backend_info",
+    "KVGroup", "LayerGeometry", "NoFreeBlocksError", "PagedKVCache", "StepPlan", "UnknownSequenceError", "backend_info",
     "default_block_size", "flash_attn_varlen_func", "flash_attn_with_kvcache", "store_kv", "tiny_model_path",
     *_LAZY,
 ]

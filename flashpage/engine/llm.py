@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from flashpage.cache import PagedKVCache, default_block_size
+from flashpage.cache import KVGroup, PagedKVCache, default_block_size
 from flashpage.engine import prompt_logprobs
 from flashpage.engine.compiled import CompiledDecode, default_compile
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
@@ -31,6 +31,7 @@ from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
 from flashpage.engine.sequence import Group, Seq
 from flashpage.engine.sizing import KVSizing, plan_kv_pool, pool_warning
 from flashpage.engine.states import StateSlots, recurrent_states_of, restart_from_scratch, stateful_forward
+from flashpage.engine.weights import WeightWatcher, forget_kv
 from flashpage.errors import check_positive_ints
 from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
 from flashpage.patches.compat import cache_kwarg, require_supported_transformers
@@ -61,6 +62,7 @@ class EngineStats:
     tp_size: int = 1
     kv_heads: int = 0  # KV heads in this rank's pool (under TP: its local heads only)
     kv_bytes: int = 0  # this rank's KV pool (K and V, all layers)
+    kv_groups: tuple[KVGroup, ...] = ()  # the page pools, one per K/V geometry (Gemma 4: sliding and global layers)
     prefix_caching: bool = True  # off for models with recurrent layers (their states are not snapshotted per block)
     kv_bytes_per_token: int = 0  # K+V bytes one token of a sequence takes in the pool (all paged layers)
     state_bytes_per_seq: int = 0  # recurrent / linear-attention state bytes per sequence (hybrid models)
@@ -146,7 +148,8 @@ class LLM:
             self.kv = PagedKVCache(sizing.num_layers, sizing.num_kv_heads, sizing.head_dim,
                                    v_head_dim=sizing.v_head_dim, num_blocks=sizing.num_blocks,
                                    block_size=sizing.block_size, dtype=sizing.dtype, device=sizing.layer_devices,
-                                   enable_prefix_caching=enable_prefix_caching)
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   layer_geometry=sizing.layer_geometry, shared_layers=sizing.shared_layers)
         except BaseException:  # leave the model as it was given
             if not was_patched:
                 unpatch(self.model)
@@ -168,6 +171,7 @@ class LLM:
         use_compile = use_compile and self._states is None  # the compiled step is the packed [1, T] layout
         self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
             if use_compile else None
+        self._weights = WeightWatcher(self.model)  # KV of older weights is dropped, never reused (weights.py)
 
     # ------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
@@ -202,6 +206,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one packed forward; returns the outputs of requests that progressed this step, preceded
         by the final outputs of add_request() requests that finished while a generate()/stream() ran."""
+        self._check_weights(full=False)
         touched = self._step()
         pending = list(self._unreported.values())
         self._unreported.clear()
@@ -216,10 +221,11 @@ class LLM:
                            self._compiled.steps if self._compiled is not None else 0,
                            self._tp.info.rank if self._tp is not None else 0,
                            self._tp.info.size if self._tp is not None else 1,
-                           self.sizing.num_kv_heads, self.sizing.total_bytes, self.kv.blocks.enable_prefix_caching,
-                           self.sizing.bytes_per_token,
-                           self._states.bytes_per_sequence() if self._states is not None else 0,
-                           self._states.allocated_bytes() if self._states is not None else 0)
+                           self.sizing.num_kv_heads, self.sizing.total_bytes, tuple(self.kv.groups()),
+                           prefix_caching=self.kv.blocks.enable_prefix_caching,
+                           kv_bytes_per_token=self.sizing.bytes_per_token,
+                           state_bytes_per_seq=self._states.bytes_per_sequence() if self._states is not None else 0,
+                           state_bytes=self._states.allocated_bytes() if self._states is not None else 0)
 
     # -------------------------------------------------------- batch helpers
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -227,6 +233,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
         with self._exclusive("generate"):
+            self._check_weights()
             groups = self._make_groups(prompts, sampling_params)
             for g in groups:
                 self._enqueue(g)
@@ -237,6 +244,7 @@ class LLM:
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StreamOutput]:
         """Yield each sample's new tokens (ids and text delta) as they are produced."""
         with self._exclusive("stream"):
+            self._check_weights()
             groups = self._make_groups(prompts, sampling_params, streamed=True)
             for g in groups:
                 self._enqueue(g)
@@ -249,6 +257,24 @@ class LLM:
                 for g in groups:
                     if not g.finished:
                         self._abort_here(g)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all KV computed so far (as vLLM's): the prefix cache is emptied and running requests
+        are recomputed from their tokens at their next step. The engine does this by itself when it
+        sees the weights change (see :mod:`flashpage.engine.weights`); call it after changes it cannot
+        see (writes through ``param.data`` in place). Returns True."""
+        forget_kv(self.scheduler, self.kv)
+        return True
+
+    @property
+    def weights_version(self) -> int:
+        """How many weight changes the engine has seen (each one dropped the KV computed before it)."""
+        return self._weights.version
+
+    def _check_weights(self, full: bool = True) -> None:
+        """Once per generate()/stream()/step() call: KV computed with older weights is never reused."""
+        if self._weights.changed(full=full):
+            forget_kv(self.scheduler, self.kv)
 
     # ---------------------------------------------------------------- inner
     def _exclusive(self, what: str):

@@ -68,6 +68,9 @@ def test_batched_chunked_greedy_equals_unpatched(models: dict[str, torch.nn.Modu
     assert stats.prefix_caching is False
     assert stats.state_bytes_per_seq > 0 and stats.kv_bytes_per_token > 0
     assert stats.blocks_used == 0 and not llm._states.slot_of  # every slot and block given back
+    state_only = {i for i, t in enumerate(llm._cache.layer_types) if t in ("linear_attention", "conv")}
+    paged = {i for g in stats.kv_groups for i in g.layers}
+    assert paged and not paged & state_only  # pages only for layers that attend
 
 
 def test_n_samples_fork_the_state(models: dict[str, torch.nn.Module]) -> None:

@@ -32,6 +32,7 @@ _LAZY = {
     "UnsupportedModelError": "flashpage.patches",
     "LLM": "flashpage.engine", "SamplingParams": "flashpage.engine", "RequestOutput": "flashpage.engine",
     "CompletionOutput": "flashpage.engine", "StreamOutput": "flashpage.engine", "EngineStats": "flashpage.engine",
+    "StructuredOutputsParams": "flashpage.engine",
     "load_tiny_model": "flashpage.tiny", "RankDivergence": "flashpage.engine.distributed",
 }
 

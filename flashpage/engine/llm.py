@@ -31,6 +31,7 @@ from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
 from flashpage.engine.sequence import Group, Seq
 from flashpage.engine.sizing import KVSizing, plan_kv_pool, pool_warning
 from flashpage.engine.states import StateSlots, recurrent_states_of, restart_from_scratch, stateful_forward
+from flashpage.engine.structured import GrammarEngine
 from flashpage.engine.weights import WeightWatcher, forget_kv
 from flashpage.errors import check_positive_ints
 from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
@@ -160,6 +161,7 @@ class LLM:
         self.sampler = Sampler(_eos_ids(self.model, tokenizer),
                                sync=self._tp.same_tokens if self._tp is not None else None)
         self.max_num_batched_tokens = max_num_batched_tokens
+        self._grammar: GrammarEngine | None = None  # made by the first structured-outputs request
         self._groups: dict[str, Group] = {}
         self._unreported: dict[str, Group] = {}  # add_request()s that finished inside generate()/stream()
         self._ids = itertools.count()
@@ -341,8 +343,15 @@ class LLM:
         cap = min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
         group = Group(rid, text, ids, params, RequestMetrics(time.perf_counter()), self.tokenizer,
                       max_total_tokens=cap)
-        group.new_seq(0, ids)  # everything that can fail happens here, before anything is queued
+        seq = group.new_seq(0, ids)  # everything that can fail happens here, before anything is queued
+        if params.structured_outputs is not None:
+            seq.grammar = self._grammar_engine().new_matcher(params.structured_outputs)
         return group
+
+    def _grammar_engine(self) -> GrammarEngine:
+        if self._grammar is None:
+            self._grammar = GrammarEngine(self.tokenizer, self.vocab_size, sorted(self.sampler.eos_token_ids))
+        return self._grammar
 
     def _next_id(self) -> str:
         """A fresh automatic request id (skipping any a caller chose with request_id=)."""
@@ -523,12 +532,14 @@ class LLM:
         for i, c in enumerate(emitting):
             seqs.append(c.seq)
             rows.append(i)
-            for child in self._fork_samples(c.seq):
+            for child in self._fork_samples(c.seq):  # (a constrained child forks its parent's matcher)
                 seqs.append(child)
                 rows.append(i)
         if not seqs:
             return []
         row_logits = logits if rows == list(range(len(emitting))) else logits[rows]
+        if self._grammar is not None:  # structured outputs: disallowed tokens to -inf in constrained rows
+            row_logits = self._grammar.apply(row_logits, seqs)
         tokens = self.sampler(row_logits, seqs)
         now = time.perf_counter()
         touched: dict[str, Group] = {}
@@ -558,6 +569,8 @@ class LLM:
         for i in range(len(group.seqs), group.params.n):
             child = group.new_seq(i, seq.token_ids)
             try:
+                if seq.grammar is not None:
+                    child.grammar = seq.grammar.fork()
                 self.kv.fork(seq.seq_id, child.seq_id)
                 if self._states is not None:
                     self._states.fork(seq.seq_id, child.seq_id)
@@ -582,8 +595,10 @@ class LLM:
         may_stop = seq.num_output >= p.min_tokens
         if seq.detok is not None:
             seq.detok.update(seq.output_ids, check_stop=may_stop)
-        reason = None
-        if may_stop and ((token in self.sampler.eos_token_ids and not p.ignore_eos) or token in p.stop_ids):
+        reason = self._grammar.accept(seq, token) if seq.grammar is not None else None  # "stop": grammar done
+        if reason is not None:
+            pass
+        elif may_stop and ((token in self.sampler.eos_token_ids and not p.ignore_eos) or token in p.stop_ids):
             reason = "stop"
         elif seq.detok is not None and seq.detok.stopped:
             reason = "stop"

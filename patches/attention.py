@@ -72,6 +72,8 @@ def pagedkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     options = _kernel_options(module, scaling, sliding_window, softcap, is_causal, s_aux)
     cache = getattr(getattr(module, "_flashpage_state", None), "active_cache", None)
     layer = getattr(module, "layer_idx", None)
+    if layer is not None and layer < 0 and cache is not None:  # one module shared by several layers (Zamba2's
+        layer = cache.last_written  # attention block, layer_idx=-1): the layer whose K/V update() just wrote
     paged = cache is not None and cache.plan is not None and not cache.dense_view and layer is not None
     weights = bool(kwargs.get("output_attentions", False))
     # a sliding window counts padded positions; pages hold real tokens only: padding inside a sequence

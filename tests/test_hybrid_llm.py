@@ -171,3 +171,34 @@ def test_plain_models_keep_the_packed_path_and_prefix_caching() -> None:
         assert llm._states is None and stats.prefix_caching and stats.state_bytes_per_seq == 0
     finally:
         flashpage.unpatch(llm.model)
+
+
+def test_state_slots_grow_fork_release() -> None:
+    """The slot pool: contents survive growth, a fork copies, a released slot is reused."""
+    from flashpage.engine.states import INITIAL_SLOTS, StateSlots
+
+    slots = StateSlots()
+    ids = list(range(INITIAL_SLOTS + 3))  # more live sequences than the first pool holds
+    states = {(0, "conv", 0): torch.arange(len(ids) * 6, dtype=torch.float32).reshape(len(ids), 2, 3)}
+    slots.scatter(ids[:INITIAL_SLOTS], {k: v[:INITIAL_SLOTS] for k, v in states.items()}, {(0, 0): True})
+    slots.scatter(ids[INITIAL_SLOTS:], {k: v[INITIAL_SLOTS:] for k, v in states.items()}, {(0, 0): True})
+    assert slots.capacity >= len(ids)
+    assert torch.equal(slots.gather(ids)[(0, "conv", 0)], states[(0, "conv", 0)])
+    slots.fork(3, "child")
+    assert torch.equal(slots.gather(["child"])[(0, "conv", 0)], states[(0, "conv", 0)][3:4])
+    slot = slots.slot_of[5]
+    slots.release(5)
+    assert 5 not in slots.slot_of and slots.slot("new") == slot
+    assert slots.bytes_per_sequence() == 6 * 4
+    with pytest.raises(RuntimeError, match="not of fixed size"):
+        slots.scatter([0], {(0, "conv", 0): torch.zeros((1, 2, 4))}, {})
+
+
+def test_many_live_sequences_grow_the_slots(models: dict[str, torch.nn.Module]) -> None:
+    model = _model(models, "lfm2")
+    prompts = random_prompts(5, 4, 8, seed=9)
+    llm = LLM(model, num_blocks=128, block_size=4)
+    outs = llm.generate(prompts, SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0, logprobs=1), use_tqdm=False)
+    assert llm._states.capacity > 8  # 10 samples were live at once
+    for prompt, out in zip(prompts, outs, strict=True):
+        _check(model, [prompt] * 2, out.outputs)

@@ -101,8 +101,13 @@ class StateSlots:
             self.slot(seq_id)
         for key, value in states.items():
             pool = self.pools.get(key)
-            if pool is None or pool.shape[1:] != value.shape[1:] or pool.dtype != value.dtype:
+            if pool is None:
                 pool = self.pools[key] = value.new_zeros((self.capacity, *value.shape[1:]))
+            elif pool.shape[1:] != value.shape[1:] or pool.dtype != value.dtype:
+                raise RuntimeError(
+                    f"state {key} of this forward has shape {tuple(value.shape[1:])} / {value.dtype} per sequence, "
+                    f"but earlier forwards gave {tuple(pool.shape[1:])} / {pool.dtype}: this model's recurrent "
+                    "state is not of fixed size, which the engine's state slots need")
             pool.index_copy_(0, self._index(seq_ids).to(pool.device), value)
         self.previous.update(previous)
 

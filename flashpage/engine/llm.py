@@ -24,6 +24,7 @@ from flashpage.engine import prompt_logprobs
 from flashpage.engine.compiled import CompiledDecode, default_compile
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
 from flashpage.engine.limits import context_overflow
+from flashpage.engine.linears import install_onednn_linears, onednn_scope
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.sampler import Sampler
@@ -171,6 +172,8 @@ class LLM:
         self.check_invariants = check_invariants
         use_compile = default_compile(self.device) and self._tp is None if compile is None else bool(compile)
         use_compile = use_compile and self._states is None  # the compiled step is the packed [1, T] layout
+        # CPU float32: linears through oneDNN inside the engine's eager forwards (engine/linears.py)
+        self._onednn = self.device.type == "cpu" and install_onednn_linears(self.model) > 0
         self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
             if use_compile else None
         self._weights = WeightWatcher(self.model)  # KV of older weights is dropped, never reused (weights.py)
@@ -489,7 +492,7 @@ class LLM:
             else:
                 plan = self.kv.plan(seq_ids, [c.num_tokens for c in chunks], allocated=True)
                 self._cache.set_plan(plan, self.device)
-                with torch.inference_mode():
+                with torch.inference_mode(), onednn_scope(self._onednn):
                     logits = self.model(input_ids=torch.tensor([ids], device=self.device),
                                         position_ids=torch.tensor([pos], device=self.device), use_cache=True,
                                         logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),

@@ -29,9 +29,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "patch": "flashpage.patches", "unpatch": "flashpage.patches", "patched": "flashpage.patches",
     "is_patched": "flashpage.patches", "HFPagedCache": "flashpage.patches", "MemoryStats": "flashpage.patches",
-    "UnsupportedModelError": "flashpage.patches",
+    "UnsupportedModelError": "flashpage.patches", "returned_cache": "flashpage.patches",
     "LLM": "flashpage.engine", "SamplingParams": "flashpage.engine", "RequestOutput": "flashpage.engine",
     "CompletionOutput": "flashpage.engine", "StreamOutput": "flashpage.engine", "EngineStats": "flashpage.engine",
+    "StructuredOutputsParams": "flashpage.engine",
     "load_tiny_model": "flashpage.tiny", "RankDivergence": "flashpage.engine.distributed",
 }
 

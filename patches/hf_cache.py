@@ -577,6 +577,46 @@ class HFPagedCache(Cache):
         return dense_k.transpose(1, 2).to(dtype), dense_v.transpose(1, 2).to(dtype)
 
     # -------------------------------------------------------------- reporting
+    # ------------------------------------------------------- engine state slots
+    def read_states(self) -> tuple[dict[tuple[int, str, int], torch.Tensor], dict[tuple[int, int], bool]]:
+        """The state layers' current states ``{(layer, "conv" | "recurrent", index): (B, *shape)}`` and
+        their has-previous-state flags ``{(layer, index): bool}`` (for the engine's state slots)."""
+        states: dict[tuple[int, str, int], torch.Tensor] = {}
+        previous: dict[tuple[int, int], bool] = {}
+        for i in self.state_layers:
+            layer = self.layers[i]
+            for kind, tensors in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
+                for j, tensor in tensors.items():
+                    if tensor is not None:
+                        states[(i, kind, j)] = tensor
+            for j, flag in layer.has_previous_state.items():
+                previous[(i, j)] = bool(flag)
+        return states, previous
+
+    def load_states(self, states: dict[tuple[int, str, int], torch.Tensor] | None,
+                    previous: dict[tuple[int, int], bool] | None = None) -> None:
+        """Set the state layers for the next forward: ``states`` as :meth:`read_states` gives them
+        (rows = the forward's batch rows), or None for sequences that start here (no previous state)."""
+        for i in self.state_layers:
+            layer = self.layers[i]
+            _LinearLayer.__init__(layer, number_of_states=layer.number_of_states)  # forget the last forward's rows
+            if isinstance(layer, _PagedLayer):
+                layer.is_initialized = True
+        if not states:
+            return
+        for (i, kind, j), tensor in states.items():
+            layer = self.layers[i]
+            layer.device, layer.dtype = tensor.device, tensor.dtype
+            if kind == "conv":
+                layer.conv_states[j] = tensor
+                layer.conv_kernel_size[j] = tensor.shape[-1]
+                layer.is_conv_states_initialized[j] = True
+            else:
+                layer.recurrent_states[j] = tensor
+                layer.is_recurrent_states_initialized[j] = True
+        for (i, j), flag in (previous or {}).items():
+            self.layers[i].has_previous_state[j] = flag
+
     def state_bytes(self) -> int:
         """Bytes of the linear-attention / SSM states held (all rows, all state layers)."""
         total = 0

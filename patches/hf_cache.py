@@ -28,9 +28,10 @@ import torch
 from transformers import cache_utils
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from flashpage.cache import DeviceStep, InputLayout, PagedKVCache, StepPlan, default_block_size
+from flashpage.cache import DeviceStep, InputLayout, KVGroup, PagedKVCache, StepPlan, default_block_size
 from flashpage.errors import check_positive_ints
 from flashpage.patches.compat import legacy_crop
+from flashpage.patches.geometry import shared_kv_layers
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class MemoryStats:
         bytes_in_use: bytes of the blocks in use (all layers, K and V).
         bytes_allocated: bytes of the whole page pool.
         dense_bytes: bytes a DynamicCache would hold for the same batch (batch x padded length).
+        groups: the page pools, one per K/V geometry (layers of different head counts or sizes,
+            e.g. Gemma 4's sliding and global layers), all sharing the block tables.
     """
 
     num_blocks: int
@@ -56,6 +59,7 @@ class MemoryStats:
     bytes_allocated: int
     dense_bytes: int
     state_bytes: int = 0  # linear-attention / SSM states of hybrid models (included in the byte counts)
+    groups: tuple[KVGroup, ...] = ()
 
     @property
     def saving(self) -> float:
@@ -220,6 +224,7 @@ class HFPagedCache(Cache):
         self.enable_prefix_caching = enable_prefix_caching
         self.growable = growable
         self.dense_view = dense_view
+        self.shared_layers = shared_kv_layers(config) if config is not None else {}  # {reader: owner} layers
         self.kv: PagedKVCache | None = None
         self.rows: list[int] = []
         self._next_seq = 0
@@ -248,6 +253,7 @@ class HFPagedCache(Cache):
         """A cache over an existing pool whose steps the caller plans (sets ``.plan``), e.g. the engine."""
         cache = cls(config, num_layers=kv.num_layers, block_size=kv.block_size)
         cache.kv = kv
+        cache.shared_layers = kv.shared_layers
         return cache
 
     # ------------------------------------------------------------ transformers API
@@ -483,7 +489,8 @@ class HFPagedCache(Cache):
         per_seq = self.max_cache_len or (length + 256)
         num_blocks = self._requested_blocks or batch * (math.ceil(per_seq / block_size) + 1) + 1
         self.kv = PagedKVCache(self.num_layers, None, None, num_blocks=num_blocks, block_size=block_size,
-                               dtype=None, enable_prefix_caching=self.enable_prefix_caching)
+                               dtype=None, enable_prefix_caching=self.enable_prefix_caching,
+                               shared_layers=self.shared_layers)
 
     def _add_rows(self, batch: int) -> None:
         for _ in range(batch):
@@ -570,6 +577,46 @@ class HFPagedCache(Cache):
         return dense_k.transpose(1, 2).to(dtype), dense_v.transpose(1, 2).to(dtype)
 
     # -------------------------------------------------------------- reporting
+    # ------------------------------------------------------- engine state slots
+    def read_states(self) -> tuple[dict[tuple[int, str, int], torch.Tensor], dict[tuple[int, int], bool]]:
+        """The state layers' current states ``{(layer, "conv" | "recurrent", index): (B, *shape)}`` and
+        their has-previous-state flags ``{(layer, index): bool}`` (for the engine's state slots)."""
+        states: dict[tuple[int, str, int], torch.Tensor] = {}
+        previous: dict[tuple[int, int], bool] = {}
+        for i in self.state_layers:
+            layer = self.layers[i]
+            for kind, tensors in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
+                for j, tensor in tensors.items():
+                    if tensor is not None:
+                        states[(i, kind, j)] = tensor
+            for j, flag in layer.has_previous_state.items():
+                previous[(i, j)] = bool(flag)
+        return states, previous
+
+    def load_states(self, states: dict[tuple[int, str, int], torch.Tensor] | None,
+                    previous: dict[tuple[int, int], bool] | None = None) -> None:
+        """Set the state layers for the next forward: ``states`` as :meth:`read_states` gives them
+        (rows = the forward's batch rows), or None for sequences that start here (no previous state)."""
+        for i in self.state_layers:
+            layer = self.layers[i]
+            _LinearLayer.__init__(layer, number_of_states=layer.number_of_states)  # forget the last forward's rows
+            if isinstance(layer, _PagedLayer):
+                layer.is_initialized = True
+        if not states:
+            return
+        for (i, kind, j), tensor in states.items():
+            layer = self.layers[i]
+            layer.device, layer.dtype = tensor.device, tensor.dtype
+            if kind == "conv":
+                layer.conv_states[j] = tensor
+                layer.conv_kernel_size[j] = tensor.shape[-1]
+                layer.is_conv_states_initialized[j] = True
+            else:
+                layer.recurrent_states[j] = tensor
+                layer.is_recurrent_states_initialized[j] = True
+        for (i, j), flag in (previous or {}).items():
+            self.layers[i].has_previous_state[j] = flag
+
     def state_bytes(self) -> int:
         """Bytes of the linear-attention / SSM states held (all rows, all state layers)."""
         total = 0
@@ -599,6 +646,7 @@ class HFPagedCache(Cache):
             bytes_allocated=self.kv.allocated_bytes() + state,
             dense_bytes=len(self.rows) * self._logical_len * per_token + state,
             state_bytes=state,
+            groups=tuple(self.kv.groups()),
         )
 
     def __repr__(self) -> str:

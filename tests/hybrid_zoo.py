@@ -52,6 +52,12 @@ HYBRIDS: dict[str, dict[str, Any]] = {
                "mamba_expand": 2, "mamba_headdim": 16, "mamba_ngroups": 1, "chunk_size": 16,
                "attention_head_dim": 32, "num_mem_blocks": 1, "use_mem_rope": True},
     "olmo_hybrid": {**_BASE, "layer_types": [_L, _A, _L]},
+    "lfm3": {**_BASE, "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 6,
+             "layer_types": ["conv", "sliding_attention", _A, "conv"]},
+    "lara_mini": {**_BASE, **_GATED_DELTA, "sliding_window": 6, "layer_types": [_L, "sliding_attention", _A],
+                  **_MOE},
+    "zaya": {**_BASE, "num_hidden_layers": 2, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4,
+             "router_hidden_size": 16},  # every layer "hybrid": K/V and a conv state in one layer
 }
 PURE_SSM = ("mamba", "mamba2", "falcon_mamba")  # no attention layer at all
 

@@ -6,6 +6,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from flashpage.engine.structured import StructuredOutputsParams, as_structured
+
 MAX_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily (as in vLLM)
 
@@ -39,6 +41,8 @@ class SamplingParams:
             ValueError.
         n: independent samples of the same prompt (the prompt's blocks are shared, not recomputed).
         skip_special_tokens: leave special tokens out of ``text``.
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
+            (a :class:`StructuredOutputsParams` or a dict of its fields; README "Structured outputs").
     """
 
     max_tokens: int = 16
@@ -59,6 +63,7 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     truncate_max_tokens: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
     _stop_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
 
@@ -67,6 +72,7 @@ class SamplingParams:
         self._check_floats()
         self._stop = self._check_stop(self.stop)
         self._stop_ids = self._check_stop_ids(self.stop_token_ids)
+        self.structured_outputs = as_structured(self.structured_outputs)
 
     # ------------------------------------------------------------- validation
     def _check_ints(self) -> None:

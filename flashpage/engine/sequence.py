@@ -44,6 +44,7 @@ class Seq:
     streamed_tokens: int = 0
     final_streamed: bool = False
     in_cache: bool = False
+    grammar: Any = None  # structured outputs: this sample's SeqGrammar (flashpage.engine.structured)
     _generator: torch.Generator | None = field(default=None, repr=False)
 
     def generator(self, device: torch.device) -> torch.Generator | None:

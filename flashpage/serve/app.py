@@ -28,6 +28,7 @@ from flashpage.engine import RequestOutput, SamplingParams
 from flashpage.engine.limits import context_overflow
 from flashpage.serve import protocol as P
 from flashpage.serve import responses as R
+from flashpage.serve import structured as S
 from flashpage.serve.async_engine import (
     AsyncLLM,
     EngineClosedError,
@@ -155,8 +156,9 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         req = P.parse(P.CompletionRequest, await _read_body(request, state))
         P.check_completion(req)
         _check_model(state, req.model)
+        structured = S.structured_from(req.response_format, req.structured_outputs)
         params = P.sampling_params(req, P.completion_max_tokens(req), P.completion_logprobs(req),
-                                   prompt_logprobs=P.completion_prompt_logprobs(req))
+                                   structured=structured, prompt_logprobs=P.completion_prompt_logprobs(req))
         prompts = P.completion_prompts(req)
         _check_batch(state, len(prompts))
         ids = await _encode(state, prompts)
@@ -181,21 +183,24 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         req = P.parse(P.ChatRequest, await _read_body(request, state))
         P.check_chat(req)
         _check_model(state, req.model)
-        ids = await _chat_prompt(state, req)
+        tools = S.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+        structured = _chat_structured(req, tools)
+        ids = await _chat_prompt(state, req, tools)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = limit if limit is not None else max(1, state.max_model_len - len(ids))
         _check_context(state, len(ids), max_tokens,
                        "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens", "messages")
-        params = P.sampling_params(req, max_tokens, P.chat_logprobs(req), renames={"logprobs": "top_logprobs"})
+        params = P.sampling_params(req, max_tokens, P.chat_logprobs(req), renames={"logprobs": "top_logprobs"},
+                                   structured=structured)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _submit(state, [ids], params, rid, "messages")
-        job = _Job(state, rid, "chat.completion", params, streams, req.stream_options)
+        job = _Job(state, rid, "chat.completion", params, streams, req.stream_options, tools=tools)
         if req.stream:
             return _sse(job.chat_events())
         outs = await _collect(request, state, streams)
         if outs is None:
             return Response(status_code=CLIENT_CLOSED)
-        choices = [R.chat_choice(c.index, c, state.token_text) for c in outs[0].outputs]
+        choices = [_with_tools(R.chat_choice(c.index, c, state.token_text), tools) for c in outs[0].outputs]
         return JSONResponse({**job.header(), "choices": choices, "usage": R.usage(outs)})
 
 
@@ -262,7 +267,24 @@ async def _echo_text(state: ServerState, prompt: str | list[int]) -> str:
     return await state.pool.decode(prompt) if state.tokenizer is not None else ""
 
 
-async def _chat_prompt(state: ServerState, req: P.ChatRequest) -> list[int]:
+def _chat_structured(req: P.ChatRequest, tools: S.ToolPlan) -> Any:
+    """The chat request's constraint: a forced tool call's schema, else response_format / structured_outputs."""
+    forced = S.tool_constraint(tools)
+    if forced is not None and (req.response_format or req.structured_outputs):
+        raise P.APIError(f"tool_choice {tools.mode!r} forces the output's format: give no 'response_format' "
+                         "or 'structured_outputs' with it", param="tool_choice")
+    return forced or S.structured_from(req.response_format, req.structured_outputs)
+
+
+def _with_tools(choice: dict[str, Any], tools: S.ToolPlan) -> dict[str, Any]:
+    """A chat choice with its text as tool calls where the tool plan makes it one."""
+    if tools.mode == "none":
+        return choice
+    message, reason = S.tool_message(choice["message"]["content"], choice["finish_reason"], tools)
+    return {**choice, "message": message, "finish_reason": reason}
+
+
+async def _chat_prompt(state: ServerState, req: P.ChatRequest, tools: S.ToolPlan | None = None) -> list[int]:
     tok = state.tokenizer
     if tok is None:
         raise P.APIError("this model has no tokenizer, so chat is unavailable; use /v1/completions with token ids",
@@ -271,9 +293,10 @@ async def _chat_prompt(state: ServerState, req: P.ChatRequest) -> list[int]:
     if not template:
         raise P.APIError("the model's tokenizer has no chat template; use /v1/completions, or start the server "
                          "with --chat-template FILE", param="messages")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = S.template_messages(req.messages)
+    extra = {"tools": [{"type": "function", "function": t} for t in tools.tools]} if tools and tools.tools else {}
     try:
-        return await state.pool.chat(messages, template, req.add_generation_prompt)
+        return await state.pool.chat(messages, template, req.add_generation_prompt, **extra)
     except Exception as exc:  # the template refused these messages (e.g. roles out of order)
         raise P.APIError(f"the chat template rejected the messages: {exc}", param="messages") from None
 
@@ -367,6 +390,7 @@ class _Job:
     echo_only: bool = False  # echo with max_tokens=0: the engine's one generated token is not shown
     created: int = field(default_factory=lambda: int(time.time()))
     latest: dict[int, RequestOutput] = field(default_factory=dict)  # newest output per prompt
+    tools: S.ToolPlan | None = None  # chat: how the output may become tool calls
 
     def visible(self, out: RequestOutput) -> RequestOutput:
         """What the client sees of ``out``: without the generated token under ``echo_only``."""
@@ -468,13 +492,22 @@ class _Job:
             yield self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                "finish_reason": None}])
         cursors: dict[int, R.SampleCursor] = {}
+        tool_streams: dict[int, S.ToolStream] = {}
         final: RequestOutput | None = None
         async for _, out in self.outputs():
             for c in out.outputs:
                 cursor = cursors.setdefault(c.index, R.SampleCursor(self.params.stop_strings))
                 delta = cursor.advance(c)
-                if delta is not None:
-                    yield self.chunk([R.chat_chunk_choice(c.index, delta, self.state.token_text)])
+                if delta is None:
+                    continue
+                choice = R.chat_chunk_choice(c.index, delta, self.state.token_text)
+                if self.tools is not None and (self.tools.mode == "named" or self.tools.buffered):
+                    ts = tool_streams.setdefault(c.index, S.ToolStream(self.tools))
+                    body = ts.delta(delta.text, delta.finish_reason)
+                    if body is None:
+                        continue
+                    choice = {**choice, "delta": body[0], "finish_reason": body[1]}
+                yield self.chunk([choice])
             if out.finished:
                 final = out
         if self.include_usage and final is not None:

@@ -55,12 +55,14 @@ class TokenizerPool:
     async def decode(self, ids: list[int]) -> str:
         return await self.run(lambda tok: tok.decode(ids, skip_special_tokens=False))
 
-    async def chat(self, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool) -> list[int]:
-        """The chat template applied to ``messages``, then encoded without adding special tokens again."""
+    async def chat(self, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool,
+                   **template_kwargs: Any) -> list[int]:
+        """The chat template applied to ``messages`` (``template_kwargs``, e.g. ``tools``, passed to
+        ``apply_chat_template``), then encoded without adding special tokens again."""
 
         def work(tok: Any) -> list[int]:
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=template)
+                                           chat_template=template, **template_kwargs)
             return list(tok(text, add_special_tokens=False)["input_ids"])
 
         return await self.run(work)

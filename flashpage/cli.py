@@ -37,6 +37,10 @@ def _bench(args: argparse.Namespace) -> int:
         from flashpage.bench.serve import run_cli
 
         return run_cli(args)
+    if args.bench == "structured":
+        from flashpage.bench.structured import run_cli as run_structured
+
+        return run_structured(args)
     from flashpage.bench.runner import run_bench
 
     return run_bench(args)
@@ -179,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="rank counts to run, each under its own torchrun on this machine (default 1,2); "
                                 "ignored when launched by torchrun (the launch decides)")
     _add_bench_serve(bsub)
+    b = bsub.add_parser("structured", help="structured outputs' cost per token in the engine (JSON schema vs none)")
+    b.add_argument("--num-requests", type=int, default=64, help="requests at once (default 64)")
+    b.add_argument("--max-tokens", type=int, default=64, help="output tokens per request at most (default 64)")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.add_argument("--quick", action="store_true", help="a smaller, faster run")
     p.set_defaults(func=_bench)
     _add_serve(sub)
     return parser

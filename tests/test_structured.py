@@ -272,3 +272,15 @@ def test_a_broken_matcher_ends_only_its_sample(llm, tiny):
         final.update({o.request_id: o for o in llm.step() if o.finished})
     assert final[bad].outputs[0].finish_reason == "abort"
     assert final[good].outputs[0].token_ids == ref
+
+
+def test_a_constraint_is_compiled_once_and_copied_per_sample(llm, tiny):
+    engine = GrammarEngine(tiny[1], llm.vocab_size, [0])
+    spec = StructuredOutputsParams(json=PERSON)
+    a, b = engine.new_matcher(spec), engine.new_matcher(StructuredOutputsParams(json=dict(PERSON)))
+    assert engine.compile(spec) is engine.compile(StructuredOutputsParams(json=PERSON)) and len(engine._matchers) == 1
+    assert a.matcher is not b.matcher
+    assert a.matcher.consume_token(tiny[1]("{")["input_ids"][0])
+    assert b.matcher.compute_bitmask() == engine.compile(spec).compute_bitmask()  # the pristine one never moves
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
+        llm.prepare_structured_outputs(StructuredOutputsParams(regex="(unclosed"))

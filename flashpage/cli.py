@@ -58,6 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
               "gpu_memory_utilization": args.gpu_memory_utilization, "dtype": args.dtype, "device": args.device}
     options = ServeOptions(model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
                            max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
+                           max_request_bytes=args.max_request_bytes,
                            chat_template=args.chat_template, log_level=args.log_level,
                            engine={k: v for k, v in engine.items() if v is not None})
     size = args.tensor_parallel_size
@@ -81,6 +82,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template overriding the model's")
     p.add_argument("--max-waiting-requests", type=int, default=512,
                    help="queued requests at most; more get 503 + Retry-After (default 512)")
+    p.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
+                   help="request bodies larger than this get 413 (default 8 MiB)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish (default 30)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))

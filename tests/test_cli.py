@@ -276,7 +276,7 @@ def _must_not_load(monkeypatch: pytest.MonkeyPatch) -> None:
 EVERY_COMMAND = (
     ("generate", "--prompt", "The list"), ("demo",), ("serve",), ("bench", "kernels", "--quick"),
     ("bench", "generate", "--quick"), ("bench", "engine", "--quick"), ("bench", "hotpath", "--quick"),
-    ("bench", "tp", "--quick"), ("bench", "serve", "--quick"),
+    ("bench", "tp", "--quick"), ("bench", "serve", "--quick"), ("bench", "sampler", "--quick"),
 )
 
 

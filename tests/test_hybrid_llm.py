@@ -171,3 +171,66 @@ def test_plain_models_keep_the_packed_path_and_prefix_caching() -> None:
         assert llm._states is None and stats.prefix_caching and stats.state_bytes_per_seq == 0
     finally:
         flashpage.unpatch(llm.model)
+
+
+def test_state_slots_grow_fork_release() -> None:
+    """The slot pool: contents survive growth, a fork copies, a released slot is reused."""
+    from flashpage.engine.states import INITIAL_SLOTS, StateSlots
+
+    slots = StateSlots()
+    ids = list(range(INITIAL_SLOTS + 3))  # more live sequences than the first pool holds
+    states = {(0, "conv", 0): torch.arange(len(ids) * 6, dtype=torch.float32).reshape(len(ids), 2, 3)}
+    slots.scatter(ids[:INITIAL_SLOTS], {k: v[:INITIAL_SLOTS] for k, v in states.items()}, {(0, 0): True})
+    slots.scatter(ids[INITIAL_SLOTS:], {k: v[INITIAL_SLOTS:] for k, v in states.items()}, {(0, 0): True})
+    assert slots.capacity >= len(ids)
+    assert torch.equal(slots.gather(ids)[(0, "conv", 0)], states[(0, "conv", 0)])
+    slots.fork(3, "child")
+    assert torch.equal(slots.gather(["child"])[(0, "conv", 0)], states[(0, "conv", 0)][3:4])
+    slot = slots.slot_of[5]
+    slots.release(5)
+    assert 5 not in slots.slot_of and slots.slot("new") == slot
+    assert slots.bytes_per_sequence() == 6 * 4
+    with pytest.raises(RuntimeError, match="not of fixed size"):
+        slots.scatter([0], {(0, "conv", 0): torch.zeros((1, 2, 4))}, {})
+
+
+def test_many_live_sequences_grow_the_slots(models: dict[str, torch.nn.Module]) -> None:
+    model = _model(models, "lfm2")
+    prompts = random_prompts(5, 4, 8, seed=9)
+    llm = LLM(model, num_blocks=128, block_size=4)
+    outs = llm.generate(prompts, SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0, logprobs=1), use_tqdm=False)
+    assert llm._states.capacity > 8  # 10 samples were live at once
+    for prompt, out in zip(prompts, outs, strict=True):
+        _check(model, [prompt] * 2, out.outputs)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "bamba"])
+def test_equal_length_chunks_share_a_forward(models: dict[str, torch.nn.Module], model_type: str) -> None:
+    """Prompts of one length run as one [B, L] forward (fresh states), decodes as one [B, 1]."""
+    model = _model(models, model_type)
+    prompts = random_prompts(4, 10, 10, seed=10)
+    llm = LLM(model, num_blocks=64, block_size=4, max_num_batched_tokens=40)
+    forwards: list[tuple[int, ...]] = []
+    handle = model.register_forward_pre_hook(lambda m, a, kw: forwards.append(tuple(kw["input_ids"].shape)),
+                                             with_kwargs=True)
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1), use_tqdm=False)
+    finally:
+        handle.remove()
+    assert forwards[:2] == [(4, 10), (4, 1)]
+    _check(model, prompts, [o.outputs[0] for o in outs])
+
+
+def test_split_forwards_groups_rows_that_can_share_an_input() -> None:
+    from types import SimpleNamespace
+
+    from flashpage.engine.states import split_forwards
+
+    def chunk(start: int, n: int) -> SimpleNamespace:
+        return SimpleNamespace(start=start, num_tokens=n)
+
+    chunks = [chunk(7, 1), chunk(0, 5), chunk(4, 1), chunk(8, 5), chunk(0, 5), chunk(3, 5), chunk(0, 1)]
+    forwards = split_forwards(chunks)
+    index = {id(c): i for i, c in enumerate(chunks)}
+    got = sorted((f.fresh, tuple(index[id(c)] for c in f.chunks), f.offsets) for f in forwards)
+    assert got == [(False, (0, 2), (0, 6)), (False, (3, 5), (7, 17)), (True, (1, 4), (1, 12)), (True, (6,), (22,))]

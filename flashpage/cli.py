@@ -37,6 +37,10 @@ def _bench(args: argparse.Namespace) -> int:
         from flashpage.bench.serve import run_cli
 
         return run_cli(args)
+    if args.bench == "structured":
+        from flashpage.bench.structured import run_cli as run_structured
+
+        return run_structured(args)
     from flashpage.bench.runner import run_bench
 
     return run_bench(args)
@@ -58,6 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
               "gpu_memory_utilization": args.gpu_memory_utilization, "dtype": args.dtype, "device": args.device}
     options = ServeOptions(model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
                            max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
+                           max_request_bytes=args.max_request_bytes,
                            chat_template=args.chat_template, log_level=args.log_level,
                            engine={k: v for k, v in engine.items() if v is not None})
     size = args.tensor_parallel_size
@@ -81,6 +86,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template overriding the model's")
     p.add_argument("--max-waiting-requests", type=int, default=512,
                    help="queued requests at most; more get 503 + Retry-After (default 512)")
+    p.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
+                   help="request bodies larger than this get 413 (default 8 MiB)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish (default 30)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -193,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="rank counts to run, each under its own torchrun on this machine (default 1,2); "
                                 "ignored when launched by torchrun (the launch decides)")
     _add_bench_serve(bsub)
+    b = bsub.add_parser("structured", help="structured outputs' cost per token in the engine (JSON schema vs none)")
+    b.add_argument("--num-requests", type=int, default=64, help="requests at once (default 64)")
+    b.add_argument("--max-tokens", type=int, default=64, help="output tokens per request at most (default 64)")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.add_argument("--quick", action="store_true", help="a smaller, faster run")
     p.set_defaults(func=_bench)
     _add_serve(sub)
     return parser

@@ -242,3 +242,16 @@ def test_bad_constraints_are_refused_before_queueing(llm, fields, match):
 def test_unknown_field_named():
     with pytest.raises(ValueError, match="unknown field"):
         SamplingParams(structured_outputs={"jsn": {}})
+
+
+def test_bench_structured_quick_reports_the_cost_per_token():
+    from flashpage.bench.structured import format_report, run
+
+    result = run(quick=True)
+    plain, constrained, mixed = result["rows"]
+    assert result["outputs_agree"] and result["invalid_outputs"] == 0
+    assert plain["constrained_tokens"] == 0 and plain["grammar_ms_per_constrained_token"] is None
+    assert constrained["constrained_tokens"] == constrained["output_tokens"] > 0
+    assert 0 < mixed["constrained_tokens"] < mixed["output_tokens"]
+    assert constrained["grammar_ms_per_constrained_token"] > 0 and constrained["constrained_stopped"] > 0
+    assert "grammar ms/constr. token" in format_report(result)

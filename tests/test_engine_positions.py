@@ -171,3 +171,13 @@ def test_unapplied_generation_config_fields_are_named() -> None:
     unpatch(model)
     with pytest.raises(ValueError, match=r"generation_config='nope'"):
         flashpage.LLM(model, generation_config="nope")
+
+
+def test_models_with_their_own_cache_class_are_refused_by_llm() -> None:
+    """xLSTM keeps its state in its own cache class: LLM says so up front and leaves the model unpatched."""
+    config = AutoConfig.for_model("xlstm", vocab_size=128, hidden_size=64, embedding_dim=64, num_hidden_layers=2,
+                                  num_heads=4, chunk_size=16, qk_dim_factor=1.0, pad_token_id=0, eos_token_id=1)
+    model = model_from_config("xlstm", config)
+    with pytest.raises(flashpage.UnsupportedModelError, match=r"model_type='xlstm'.*its own cache class"):
+        flashpage.LLM(model, num_blocks=8, block_size=4)
+    assert not is_patched(model)

@@ -156,7 +156,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         req = P.parse(P.CompletionRequest, await _read_body(request, state))
         P.check_completion(req)
         _check_model(state, req.model)
-        structured = S.structured_from(req.response_format, req.structured_outputs)
+        structured = S.request_structured(req)
         params = P.sampling_params(req, P.completion_max_tokens(req), P.completion_logprobs(req),
                                    structured=structured, prompt_logprobs=P.completion_prompt_logprobs(req))
         prompts = P.completion_prompts(req)
@@ -270,10 +270,10 @@ async def _echo_text(state: ServerState, prompt: str | list[int]) -> str:
 def _chat_structured(req: P.ChatRequest, tools: S.ToolPlan) -> Any:
     """The chat request's constraint: a forced tool call's schema, else response_format / structured_outputs."""
     forced = S.tool_constraint(tools)
-    if forced is not None and (req.response_format or req.structured_outputs):
+    if forced is not None and S.request_structured(req) is not None:
         raise P.APIError(f"tool_choice {tools.mode!r} forces the output's format: give no 'response_format' "
                          "or 'structured_outputs' with it", param="tool_choice")
-    return forced or S.structured_from(req.response_format, req.structured_outputs)
+    return forced or S.request_structured(req)
 
 
 def _with_tools(choice: dict[str, Any], tools: S.ToolPlan) -> dict[str, Any]:

@@ -66,6 +66,10 @@ class _Sampling(_Strict):
     # structured outputs (flashpage.serve.structured): OpenAI's response_format, vLLM's structured_outputs
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older names for structured_outputs' fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -190,7 +190,11 @@ class LLM:
         self.step_request_ids: tuple[str, ...] = ()  # requests of the latest step (set even when it raises)
         self.check_invariants = check_invariants
         use_compile = default_compile(self.device) and self._tp is None if compile is None else bool(compile)
-        use_compile = use_compile and self._states is None  # the compiled step is the packed [1, T] layout
+        if self._states is not None:  # the compiled step is the packed [1, T] layout
+            if compile:
+                warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} has recurrent (linear-"
+                              "attention / SSM) layers, whose steps run eagerly in [B, L] rows", stacklevel=2)
+            use_compile = False
         self._positions = EnginePositions.install(self.model)  # BART family: positions from the cache length
         self._keeps_logits = honours_logits_to_keep(self.model)  # whisper: logits of every row
         if self._positions is not None or not self._keeps_logits:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from flashpage.engine.generation_config import ModelProcessors
 from flashpage.engine.outputs import TokenLogprob
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.sequence import Seq
@@ -34,6 +35,7 @@ class Sampler:
     def __init__(self, eos_token_ids: Sequence[int], sync: Callable[[list[int]], list[int]] | None = None) -> None:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.sync = sync
+        self.processors: ModelProcessors | None = None  # the model's generation_config processors (LLM sets them)
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[Seq]) -> list[int]:
         """Choose one token per row.
@@ -62,7 +64,8 @@ class Sampler:
         return chosen
 
     def _needs_processing(self, seqs: Sequence[Seq]) -> bool:
-        return any(s.group.params.has_penalties or s.num_output < s.group.params.min_tokens for s in seqs)
+        return self.processors is not None or any(s.group.params.has_penalties
+                                                  or s.num_output < s.group.params.min_tokens for s in seqs)
 
     def _process(self, scores: torch.Tensor, seqs: Sequence[Seq]) -> torch.Tensor:
         for i, s in enumerate(seqs):
@@ -74,6 +77,8 @@ class Sampler:
                 banned = set(p.stop_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
                 if banned:
                     scores[i, sorted(t for t in banned if t < scores.shape[1])] = float("-inf")
+        if self.processors is not None:
+            self.processors.apply(scores, seqs)
         return scores
 
     @staticmethod

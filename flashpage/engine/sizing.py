@@ -78,6 +78,7 @@ def probe_geometry(model: Any) -> ProbedGeometry:
     their own; layers reading another layer's K/V report None."""
     from flashpage.patches import HFPagedCache
 
+    refuse_custom_cache(model)
     cache = HFPagedCache(model.config, num_blocks=1, block_size=1, growable=False)
     device = next(model.parameters()).device
     kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -87,6 +88,41 @@ def probe_geometry(model: Any) -> ProbedGeometry:
     devices = [kv.layer_device(i) or device for i in range(kv.num_layers)]
     geometry = tuple(kv.layer_geometry(i) for i in range(kv.num_layers))
     return ProbedGeometry(geometry, kv.dtype, devices, kv.shared_layers)
+
+
+def refuse_custom_cache(model: Any) -> None:
+    """Refuse models that need their own cache class (transformers never gives them a DynamicCache:
+    xLSTM, RWKV, Reformer, XLNet, the original MiniMax): the engine's paged cache cannot stand in for it;
+    and models whose recurrent state lives in their modules (RecurrentGemma): the engine could not keep
+    it per sequence."""
+    from flashpage.patches import UnsupportedModelError
+
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports is not None and not supports():
+        name = getattr(model.config, "model_type", type(model).__name__)
+        raise UnsupportedModelError(
+            f"flashpage.LLM does not serve {type(model).__name__} (model_type={name!r}): it keeps its state in its own "
+            "cache class, which transformers never replaces by a standard cache and flashpage's paged cache cannot "
+            "stand in for. flashpage.patch(model) + model.generate() leaves its cache alone (exact), or use it "
+            "unpatched.")
+    holders = module_state_holders(model)
+    if holders:
+        name = getattr(model.config, "model_type", type(model).__name__)
+        raise UnsupportedModelError(
+            f"flashpage.LLM does not serve {type(model).__name__} (model_type={name!r}) yet: its recurrent layers keep "
+            f"their state in the modules themselves ({', '.join(holders[:3])}), one batch row per sequence and reset "
+            "by every prompt, so sequences batched together by the engine would share and overwrite it. "
+            "flashpage.patch(model) + model.generate() runs it exactly.")
+
+
+# instance attributes in which a module keeps recurrent state between forwards (RecurrentGemma)
+_MODULE_STATE_ATTRS = ("conv1d_state", "recurrent_states")
+
+
+def module_state_holders(model: Any) -> list[str]:
+    """Names of modules that keep recurrent state in their own attributes (not in the cache)."""
+    return [f"{name}.{attr}" for name, module in model.named_modules()
+            for attr in _MODULE_STATE_ATTRS if attr in vars(module)]
 
 
 def plan_kv_pool(model: Any, device: torch.device, block_size: int, *, num_blocks: int | None,

@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                            ("generate", "patched vs unpatched generate()"),
                            ("engine", "LLM vs HF generate() and HF continuous batching"),
                            ("hotpath", "per-layer overhead: eager/compiled generate(), LLM(compile=True)"),
-                           ("tp", "tensor parallel: per-rank KV memory and throughput, 1 and 2 ranks")):
+                           ("tp", "tensor parallel: per-rank KV memory and throughput, 1 and 2 ranks"),
+                           ("rl", "GRPO rollouts: flashpage vs TRL generate() and continuous batching (needs trl)")):
         b = bsub.add_parser(name, help=helptext)
         b.add_argument("--json", action="store_true", help="print JSON")
         b.add_argument("--plot", metavar="FILE.png", default=None, help="also write a plot")
@@ -153,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "engine":
             b.add_argument("--workload", choices=("mixed", "shared-prefix"), default="mixed")
             _add_model(b)
-        if name in ("generate", "tp"):
+        if name in ("generate", "tp", "rl"):
             _add_model(b)
         if name == "tp":
             b.add_argument("--tp-sizes", default="1,2",

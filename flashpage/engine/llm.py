@@ -7,6 +7,7 @@ chunks together), planned once; logits are computed only for sequences that emit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -23,9 +24,12 @@ from flashpage.cache import KVGroup, PagedKVCache, default_block_size
 from flashpage.engine import prompt_logprobs
 from flashpage.engine.compiled import CompiledDecode, default_compile
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
+from flashpage.engine.generation_config import ModelProcessors, config_diff, sampling_defaults, unapplied_fields
+from flashpage.engine.generation_config import check_mode as check_generation_mode
 from flashpage.engine.limits import context_overflow
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
+from flashpage.engine.positions import EnginePositions, honours_logits_to_keep, kept_rows
 from flashpage.engine.sampler import Sampler
 from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
 from flashpage.engine.sequence import Group, Seq
@@ -101,6 +105,11 @@ class LLM:
         tensor_parallel_size: under ``torchrun``, load a path sharded over this many ranks
             (``tp_plan="auto"``; every rank builds its LLM); with a model object, checked against the
             model's own sharding. See README "Tensor parallel".
+        generation_config: ``"auto"`` (default, as vLLM): requests given no SamplingParams take the model's
+            generation_config sampling defaults (:meth:`get_default_sampling_params`), and its processors
+            (``forced_eos_token_id``, ``suppress_tokens``, ``begin_suppress_tokens``, ``forced_bos_token_id``,
+            ``no_repeat_ngram_size``) apply to every request as in ``generate()``; other fields that would
+            change ``generate()``'s tokens are named in a warning. ``"vllm"``: ignore it (neutral defaults).
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, block_size: int | None = None,
@@ -109,8 +118,10 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  check_invariants: bool = False, compile: bool | None = None,
-                 max_prefill_with_decodes: int | None = None, tensor_parallel_size: int | None = None) -> None:
+                 max_prefill_with_decodes: int | None = None, tensor_parallel_size: int | None = None,
+                 generation_config: str = "auto") -> None:
         require_supported_transformers()  # before loading anything: say at once why not
+        generation_config = check_generation_mode(generation_config)
         if isinstance(model, (str, os.PathLike)):
             model, tokenizer = _load(model, tokenizer, dtype, device, tensor_parallel_size)
         elif tensor_parallel_size is not None:
@@ -160,6 +171,7 @@ class LLM:
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_prefill_with_decodes)
         self.sampler = Sampler(_eos_ids(self.model, tokenizer),
                                sync=self._tp.same_tokens if self._tp is not None else None)
+        self._default_params = self._generation_defaults(generation_config)
         self.max_num_batched_tokens = max_num_batched_tokens
         self._grammar: GrammarEngine | None = None  # made by the first structured-outputs request
         self._groups: dict[str, Group] = {}
@@ -171,9 +183,40 @@ class LLM:
         self.check_invariants = check_invariants
         use_compile = default_compile(self.device) and self._tp is None if compile is None else bool(compile)
         use_compile = use_compile and self._states is None  # the compiled step is the packed [1, T] layout
+        self._positions = EnginePositions.install(self.model)  # BART family: positions from the cache length
+        self._keeps_logits = honours_logits_to_keep(self.model)  # whisper: logits of every row
+        if self._positions is not None or not self._keeps_logits:
+            if compile:
+                warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} takes positions or logits "
+                              "rows in its own way; its steps run eagerly", stacklevel=2)
+            use_compile = False
         self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
             if use_compile else None
         self._weights = WeightWatcher(self.model)  # KV of older weights is dropped, never reused (weights.py)
+
+    def _generation_defaults(self, mode: str) -> dict[str, Any]:
+        """Read the model's generation_config (``mode`` "auto"): sampling defaults returned, processors
+        handed to the sampler, anything else that changes generate()'s tokens named in a warning."""
+        diff = config_diff(self.model) if mode == "auto" else {}
+        defaults = sampling_defaults(diff)
+        try:
+            SamplingParams(**defaults)
+        except ValueError as e:
+            raise ValueError(f"the model's generation_config has sampling defaults flashpage cannot use ({e}); fix "
+                             "model.generation_config or pass LLM(..., generation_config='vllm')") from None
+        self.sampler.processors = ModelProcessors.from_diff(diff, self.vocab_size)
+        ignored = unapplied_fields(diff)
+        if ignored:
+            warnings.warn(f"flashpage.LLM: the model's generation_config sets {', '.join(ignored)}, which the engine "
+                          "does not apply (generate() does): outputs may differ from model.generate(). Pass "
+                          "generation_config='vllm' to silence this and ignore the generation config.", stacklevel=3)
+        return defaults
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams of a request given none: the model's generation_config sampling defaults
+        (temperature, top_k, top_p, min_p, penalties, max_new_tokens as max_tokens) under
+        ``generation_config="auto"``, as vLLM; SamplingParams() otherwise."""
+        return SamplingParams(**self._default_params)
 
     # ------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
@@ -329,7 +372,7 @@ class LLM:
         return groups
 
     def _make_group(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None) -> Group:
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a flashpage.SamplingParams, got {type(params).__name__}")
         params.__post_init__()  # re-validate: fields may have been changed after construction
@@ -489,11 +532,13 @@ class LLM:
             else:
                 plan = self.kv.plan(seq_ids, [c.num_tokens for c in chunks], allocated=True)
                 self._cache.set_plan(plan, self.device)
-                with torch.inference_mode():
-                    logits = self.model(input_ids=torch.tensor([ids], device=self.device),
-                                        position_ids=torch.tensor([pos], device=self.device), use_cache=True,
-                                        logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+                position_ids = torch.tensor([pos], device=self.device)
+                keep_rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+                with torch.inference_mode(), self._positions_for(position_ids):
+                    logits = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=position_ids,
+                                        use_cache=True, logits_to_keep=keep_rows,
                                         **{self._cache_kwarg: self._cache}).logits[0]
+                logits = kept_rows(logits, keep_rows, self._keeps_logits)
         except BaseException:
             self._cache.end_forward(ok=False)
             self.scheduler.rollback(schedule)  # give back this step's slots: the cache is as before
@@ -501,6 +546,10 @@ class LLM:
         for c in chunks:
             c.seq.num_computed = c.start + c.num_tokens
         return logits
+
+    def _positions_for(self, position_ids: torch.Tensor):
+        """Give decoders that derive positions from the cache's length (BART family) the step's own."""
+        return self._positions.step(position_ids) if self._positions is not None else contextlib.nullcontext()
 
     def _stateful_forward(self, schedule: Schedule, keep: list[int]) -> torch.Tensor:
         """A model with recurrent layers: decodes as [B, 1] rows, other chunks alone (engine/states.py)."""

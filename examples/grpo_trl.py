@@ -39,9 +39,6 @@ import time
 import warnings
 from pathlib import Path
 
-os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # rollout_func is experimental in TRL
-warnings.filterwarnings("ignore", category=FutureWarning)
-
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -51,6 +48,8 @@ import flashpage
 from flashpage.bench.rl import onpolicy_gap
 from flashpage.integrations.trl import flashpage_rollout
 
+os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # rollout_func is experimental in TRL
+warnings.filterwarnings("ignore", category=FutureWarning)
 STEPS = int(os.environ.get("FLASHPAGE_EXAMPLE_STEPS", STEPS))
 output_dir = Path(OUTPUT_DIR) if OUTPUT_DIR else Path(tempfile.mkdtemp(prefix="flashpage-examples-"))
 output_dir.mkdir(parents=True, exist_ok=True)
@@ -135,9 +134,19 @@ ax.set_ylim(-0.05, 1.05)
 ax.set_title("close the parenthesis right away: reward per step")
 ax.legend()
 fig.tight_layout()
-fig.savefig(output_dir / "grpo_rewards.png")
-plt.show()
-print(f"plot written to {output_dir / 'grpo_rewards.png'}")
+plot_path = output_dir / "grpo_rewards.png"
+fig.savefig(plot_path)  # modest dpi: the notebook embeds it
+plt.close(fig)
+assert plot_path.is_file() and plot_path.stat().st_size > 0
+print("plot written to", plot_path)
+try:  # inside Jupyter, show it too
+    from IPython import get_ipython
+    from IPython.display import Image, display
+
+    if get_ipython() is not None:
+        display(Image(filename=str(plot_path)))
+except ImportError:
+    pass
 
 # %% [markdown]
 # ## On-policy, and the model as it was

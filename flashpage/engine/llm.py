@@ -35,7 +35,7 @@ from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
 from flashpage.engine.sequence import Group, Seq
 from flashpage.engine.sizing import KVSizing, plan_kv_pool, pool_warning
 from flashpage.engine.states import StateSlots, recurrent_states_of, restart_from_scratch, stateful_forward
-from flashpage.engine.structured import GrammarEngine
+from flashpage.engine.structured import GrammarEngine, StructuredOutputsParams
 from flashpage.engine.weights import WeightWatcher, forget_kv
 from flashpage.errors import check_positive_ints
 from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
@@ -121,11 +121,14 @@ class LLM:
                  max_prefill_with_decodes: int | None = None, tensor_parallel_size: int | None = None,
                  generation_config: str = "auto") -> None:
         require_supported_transformers()  # before loading anything: say at once why not
+        check_device(device)
         generation_config = check_generation_mode(generation_config)
         if isinstance(model, (str, os.PathLike)):
             model, tokenizer = _load(model, tokenizer, dtype, device, tensor_parallel_size)
-        elif tensor_parallel_size is not None:
-            check_tp_size(model, tensor_parallel_size)
+        else:
+            _check_model_placement(model, dtype, device)
+            if tensor_parallel_size is not None:
+                check_tp_size(model, tensor_parallel_size)
         defaults_allowed = {"block_size": block_size, "num_blocks": num_blocks, "max_model_len": max_model_len,
                             "max_prefill_with_decodes": max_prefill_with_decodes}
         check_positive_ints("LLM: ", {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
@@ -143,7 +146,9 @@ class LLM:
             self.vocab_size = int(config.vocab_size)
             self._states: StateSlots | None = recurrent_states_of(self.model, HFPagedCache(self.model.config))
             enable_prefix_caching = enable_prefix_caching and self._states is None
-            known_len = max_model_len or getattr(config, "max_position_embeddings", None)
+            positions = getattr(config, "max_position_embeddings", None)
+            _check_max_model_len(max_model_len, positions)
+            known_len = max_model_len or positions
             self.max_model_len = known_len or 1 << 30
             sizing = plan_kv_pool(self.model, self.device, block_size or default_block_size(self.device),
                                   num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
@@ -174,15 +179,22 @@ class LLM:
         self._default_params = self._generation_defaults(generation_config)
         self.max_num_batched_tokens = max_num_batched_tokens
         self._grammar: GrammarEngine | None = None  # made by the first structured-outputs request
+        self._grammar_lock = threading.Lock()
         self._groups: dict[str, Group] = {}
         self._unreported: dict[str, Group] = {}  # add_request()s that finished inside generate()/stream()
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        # held by each step and by abort()/add_request(): either may come from another thread than step()'s
+        self._step_lock = threading.RLock()
         self._counters = {"steps": 0, "computed": 0, "generated": 0, "busy": 0.0}
         self.step_request_ids: tuple[str, ...] = ()  # requests of the latest step (set even when it raises)
         self.check_invariants = check_invariants
         use_compile = default_compile(self.device) and self._tp is None if compile is None else bool(compile)
-        use_compile = use_compile and self._states is None  # the compiled step is the packed [1, T] layout
+        if self._states is not None:  # the compiled step is the packed [1, T] layout
+            if compile:
+                warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} has recurrent (linear-"
+                              "attention / SSM) layers, whose steps run eagerly in [B, L] rows", stacklevel=2)
+            use_compile = False
         self._positions = EnginePositions.install(self.model)  # BART family: positions from the cache length
         self._keeps_logits = honours_logits_to_keep(self.model)  # whisper: logits of every row
         if self._positions is not None or not self._keeps_logits:
@@ -223,26 +235,29 @@ class LLM:
                     request_id: str | None = None) -> str:
         """Queue a request (text or token ids); returns its id. Invalid input raises ValueError
         here, before anything is queued."""
-        group = self._make_group(prompt, sampling_params, request_id)
-        self._enqueue(group)
-        return group.request_id
+        with self._step_lock:
+            group = self._make_group(prompt, sampling_params, request_id)
+            self._enqueue(group)
+            return group.request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request now: its blocks are freed, and the next step() reports its final output
         once, with finish_reason 'abort'. An unknown id, or a request that already finished (reported
         or not), is a no-op: aborting races with finishing, so both orders must be safe.
         Under tensor parallelism the abort (made on any rank) takes effect on every rank when the
-        next step starts, and that step reports it."""
-        if request_id in self._unreported:
-            return
-        group = self._groups.get(request_id)
-        if group is None:
-            return
-        if self._tp is not None:
-            self._tp.note_abort(request_id)
-            return
-        self._finish_group(group, "abort")
-        self._unreported[request_id] = group
+        next step starts, and that step reports it. Safe from any thread: made while another thread
+        runs step(), it waits for that step to end (a request that step finishes is not aborted)."""
+        with self._step_lock:
+            if request_id in self._unreported:
+                return
+            group = self._groups.get(request_id)
+            if group is None:
+                return
+            if self._tp is not None:
+                self._tp.note_abort(request_id)
+                return
+            self._finish_group(group, "abort")
+            self._unreported[request_id] = group
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to do or to report."""
@@ -251,11 +266,12 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one packed forward; returns the outputs of requests that progressed this step, preceded
         by the final outputs of add_request() requests that finished while a generate()/stream() ran."""
-        self._check_weights(full=False)
-        touched = self._step()
-        pending = list(self._unreported.values())
-        self._unreported.clear()
-        return [g.to_output() for g in pending] + [g.to_output() for g in touched]
+        with self._step_lock:
+            self._check_weights(full=False)
+            touched = self._step()
+            pending = list(self._unreported.values())
+            self._unreported.clear()
+            return [g.to_output() for g in pending] + [g.to_output() for g in touched]
 
     def stats(self) -> EngineStats:
         s = self.kv.stats()
@@ -350,9 +366,10 @@ class LLM:
     def _step_for(self, groups: list[Group]) -> None:
         """A step inside generate()/stream(): other requests that finish are kept for step() to report."""
         own = {g.request_id for g in groups}
-        for g in self._step():
-            if g.finished and g.request_id not in own:
-                self._unreported[g.request_id] = g
+        with self._step_lock:
+            for g in self._step():
+                if g.finished and g.request_id not in own:
+                    self._unreported[g.request_id] = g
 
     def _make_groups(self, prompts: Prompt | Sequence[Prompt], params: Any, streamed: bool = False) -> list[Group]:
         items = _as_prompt_list(prompts)
@@ -391,9 +408,15 @@ class LLM:
             seq.grammar = self._grammar_engine().new_matcher(params.structured_outputs)
         return group
 
+    def prepare_structured_outputs(self, spec: StructuredOutputsParams) -> None:
+        """Compile a constraint now (thread-safe; ValueError naming the field if it is invalid), so the
+        add_request() that uses it only copies a cached matcher. A server calls it off the engine thread."""
+        self._grammar_engine().compile(spec)
+
     def _grammar_engine(self) -> GrammarEngine:
-        if self._grammar is None:
-            self._grammar = GrammarEngine(self.tokenizer, self.vocab_size, sorted(self.sampler.eos_token_ids))
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarEngine(self.tokenizer, self.vocab_size, sorted(self.sampler.eos_token_ids))
         return self._grammar
 
     def _next_id(self) -> str:
@@ -417,6 +440,9 @@ class LLM:
             return prompt, list(self.tokenizer(prompt)["input_ids"])
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.reshape(-1).tolist()
+        if isinstance(prompt, (bytes, Mapping)) or not isinstance(prompt, Iterable):
+            raise TypeError(f"a prompt must be a text (str) or a list of token ids (ints), got "
+                            f"{type(prompt).__name__}: {prompt!r:.60}")
         ids = list(prompt)
         if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
             raise ValueError("a token-id prompt must be a list of ints")
@@ -671,9 +697,10 @@ class LLM:
     def _abort_here(self, group: Group) -> None:
         """End a request of a generate()/stream() left early, now; under tensor parallelism the other
         ranks (if they still run it) end it when the next step starts."""
-        self._finish_group(group, "abort")
-        if self._tp is not None:
-            self._tp.note_abort(group.request_id)
+        with self._step_lock:
+            self._finish_group(group, "abort")
+            if self._tp is not None:
+                self._tp.note_abort(group.request_id)
 
     def _finish_group(self, group: Group, reason: str) -> None:
         while len(group.seqs) < group.params.n:  # samples never forked end too
@@ -753,6 +780,81 @@ def _load(path: str | os.PathLike, tokenizer: Any, dtype: torch.dtype | None, de
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+ALLOW_LONG_MAX_MODEL_LEN = "FLASHPAGE_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def _check_max_model_len(max_model_len: int | None, positions: int | None) -> None:
+    """Refuse a max_model_len beyond the model's positions (generation past them is garbage or fails),
+    unless the environment says the model really takes longer inputs (vLLM's override, same spirit)."""
+    if max_model_len is None or positions is None or max_model_len <= positions:
+        return
+    problem = (f"max_model_len={max_model_len} is more than the model's {positions} positions "
+               "(config.max_position_embeddings)")
+    if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN, "") not in ("", "0"):
+        warnings.warn(f"{problem}; allowed by {ALLOW_LONG_MAX_MODEL_LEN}: tokens past {positions} may be "
+                      "garbage", stacklevel=3)
+        return
+    raise ValueError(f"{problem}: tokens past position {positions} would be garbage (or fail). Give "
+                     f"max_model_len <= {positions}, or set {ALLOW_LONG_MAX_MODEL_LEN}=1 if this model really "
+                     "handles longer sequences (e.g. rope scaling its config does not show)")
+
+
+def _as_device(device: str | torch.device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a device torch knows: give e.g. 'cpu', 'cuda' or 'cuda:1' "
+                         f"({exc})") from None
+
+
+def check_device(device: str | torch.device | None) -> None:
+    """A CUDA device on a torch without CUDA (or without a visible GPU): say so before loading anything."""
+    if device is None:
+        return
+    want = _as_device(device)
+    if want.type == "cuda" and not torch.cuda.is_available():
+        why = "a CPU-only build" if torch.version.cuda is None else "no GPU is visible (CUDA_VISIBLE_DEVICES?)"
+        raise ValueError(f"device={str(device)!r}, but CUDA is not available: torch {torch.__version__} is {why}. "
+                         "Install a CUDA build of torch (https://pytorch.org/get-started/locally/) or use "
+                         "device='cpu'")
+    if want.type == "cuda" and want.index is not None and want.index >= torch.cuda.device_count():
+        raise ValueError(f"device={str(device)!r}, but this machine has {torch.cuda.device_count()} CUDA "
+                         "device(s)")
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype | None:
+    """A torch dtype from a dtype or its name ("bfloat16", "torch.float16"); None for "auto"."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name == "auto":
+        return None
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype={dtype!r} is not a torch dtype: give e.g. 'float32', 'float16' or 'bfloat16'")
+    return value
+
+
+def _check_model_placement(model: Any, dtype: torch.dtype | str | None, device: str | torch.device | None) -> None:
+    """LLM(model_object, dtype=..., device=...): the model is used as given, so a dtype or device it is
+    not in is refused (converting the caller's model in place would surprise); equal ones are fine."""
+    param = next(model.parameters(), None) if hasattr(model, "parameters") else None
+    if param is None:
+        return
+    want_dtype = _as_dtype(dtype) if dtype is not None else None
+    if want_dtype is not None and want_dtype != param.dtype:
+        raise ValueError(f"LLM(model, dtype={dtype!r}): the model object is {param.dtype}, and LLM uses a model "
+                         f"object as it is. Convert it first (model.to({want_dtype})) or pass a path, which LLM "
+                         "loads in that dtype")
+    if device is not None:
+        want = _as_device(device)
+        here = param.device
+        if want.type != here.type or (want.index is not None and here.index is not None and want.index != here.index):
+            raise ValueError(f"LLM(model, device={str(device)!r}): the model object is on {here}, and LLM uses a "
+                             f"model object where it is. Move it first (model.to({str(want)!r})) or pass a path, "
+                             "which LLM loads onto that device")
 
 
 def _check_model_path(path: str | os.PathLike) -> None:

@@ -157,6 +157,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         P.check_completion(req)
         _check_model(state, req.model)
         structured = S.request_structured(req)
+        await _prepare(state, structured, S.constraint_param(req))
         params = P.sampling_params(req, P.completion_max_tokens(req), P.completion_logprobs(req),
                                    structured=structured, prompt_logprobs=P.completion_prompt_logprobs(req))
         prompts = P.completion_prompts(req)
@@ -185,6 +186,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         _check_model(state, req.model)
         tools = S.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
         structured = _chat_structured(req, tools)
+        await _prepare(state, structured, S.constraint_param(req, tools))
         ids = await _chat_prompt(state, req, tools)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = limit if limit is not None else max(1, state.max_model_len - len(ids))
@@ -274,6 +276,16 @@ def _chat_structured(req: P.ChatRequest, tools: S.ToolPlan) -> Any:
         raise P.APIError(f"tool_choice {tools.mode!r} forces the output's format: give no 'response_format' "
                          "or 'structured_outputs' with it", param="tool_choice")
     return forced or S.request_structured(req)
+
+
+async def _prepare(state: ServerState, spec: Any, param: str) -> None:
+    """Compile a constraint on a worker thread (cached in the engine): a 400 naming ``param`` if it cannot be."""
+    if spec is None:
+        return
+    try:
+        await state.pool.run(lambda _tok: state.engine.llm.prepare_structured_outputs(spec))
+    except ValueError as exc:
+        raise P.APIError(str(exc), param=param) from None
 
 
 def _with_tools(choice: dict[str, Any], tools: S.ToolPlan) -> dict[str, Any]:

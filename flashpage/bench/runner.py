@@ -14,6 +14,8 @@ import json
 import sys
 from typing import Any
 
+from flashpage.errors import install_hint
+
 
 def _kernels(args: argparse.Namespace) -> dict[str, Any]:
     from flashpage.bench import kernels
@@ -115,7 +117,7 @@ def run_bench(args: argparse.Namespace) -> int:
         try:
             write_plot(name, result, plot_path)
         except ImportError as exc:
-            print(f"flashpage bench: --plot needs matplotlib ({exc}); pip install 'flashpage[plot]'",
+            print(f"flashpage bench: --plot needs matplotlib ({exc}); {install_hint('matplotlib', 'plot')}",
                   file=sys.stderr)
             return 1
         print(f"[bench {name}] plot written to {plot_path}", file=sys.stderr)

@@ -113,9 +113,15 @@ def _error_response(err: P.APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_REFUSAL_REASONS = {404: "unknown_model", 413: "body_too_large"}  # else "invalid"
+
+
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(P.APIError)
-    async def api_error(_: Request, err: P.APIError) -> JSONResponse:
+    async def api_error(request: Request, err: P.APIError) -> JSONResponse:
+        if request.url.path in _GENERATION_PATHS and err.status < 500:  # a refusal (503s: counted where raised)
+            state.metrics.rejected.count_uncounted(_REFUSAL_REASONS.get(err.status, "invalid"))
         return _error_response(err)
 
     @app.exception_handler(StarletteHTTPException)
@@ -352,6 +358,11 @@ async def _wait_disconnect(request: Request) -> None:
         await asyncio.sleep(0.2)
 
 
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 async def _collect(request: Request, state: ServerState,
                    streams: list[RequestStream]) -> list[RequestOutput] | None:
     """Every stream's final output (None if the client went away); all are aborted unless finished."""
@@ -368,8 +379,9 @@ async def _collect(request: Request, state: ServerState,
     except EngineClosedError as exc:
         raise P.APIError(str(exc), 503, "service_unavailable") from None
     finally:
-        watcher.cancel()
-        gathered.cancel()
+        for fut in (watcher, gathered):  # a result that lost the race is read here, never logged as
+            fut.cancel()                 # "exception was never retrieved" when the client went away
+            fut.add_done_callback(_retrieve)
         for s in streams:
             if not s.done:
                 state.engine.abort(s.request_id)

@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 from flashpage.blocks import BlockManager, BlockStats
-from flashpage.cache import PagedKVCache, StepPlan, default_block_size
+from flashpage.cache import KVGroup, LayerGeometry, PagedKVCache, StepPlan, default_block_size
 from flashpage.errors import (
     CapacityError,
     FlashpageError,
@@ -29,15 +29,16 @@ __version__ = "0.1.0"
 _LAZY = {
     "patch": "flashpage.patches", "unpatch": "flashpage.patches", "patched": "flashpage.patches",
     "is_patched": "flashpage.patches", "HFPagedCache": "flashpage.patches", "MemoryStats": "flashpage.patches",
-    "UnsupportedModelError": "flashpage.patches",
+    "UnsupportedModelError": "flashpage.patches", "returned_cache": "flashpage.patches",
     "LLM": "flashpage.engine", "SamplingParams": "flashpage.engine", "RequestOutput": "flashpage.engine",
     "CompletionOutput": "flashpage.engine", "StreamOutput": "flashpage.engine", "EngineStats": "flashpage.engine",
+    "StructuredOutputsParams": "flashpage.engine",
     "load_tiny_model": "flashpage.tiny", "RankDivergence": "flashpage.engine.distributed",
 }
 
 __all__ = [
     "BlockManager", "BlockStats", "CapacityError", "FlashpageError", "InvariantError", "KernelInputError",
-    "NoFreeBlocksError", "PagedKVCache", "StepPlan", "UnknownSequenceError", "backend_info",
+    "KVGroup", "LayerGeometry", "NoFreeBlocksError", "PagedKVCache", "StepPlan", "UnknownSequenceError", "backend_info",
     "default_block_size", "flash_attn_varlen_func", "flash_attn_with_kvcache", "store_kv", "tiny_model_path",
     *_LAZY,
 ]

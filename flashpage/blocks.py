@@ -332,6 +332,17 @@ class BlockManager:
             self._free.move_to_end(bid, last=False)
         self.num_blocks = num_blocks
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (the weights that computed them changed): nothing is found by
+        ``add_sequence`` again until it is recomputed. Blocks held by sequences keep their place,
+        without keys. Returns how many blocks lost their key."""
+        dropped = 0
+        for b in self._blocks:
+            if b.key is not None:
+                self._invalidate(b)
+                dropped += 1
+        return dropped
+
     def block_table(self, seq_id: Hashable) -> list[int]:
         return list(self._get(seq_id).blocks)
 

@@ -10,7 +10,7 @@ block tables and lengths to hand the kernel. No transformers import here.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +48,40 @@ class _LayerPages:
     v: torch.Tensor
 
 
+@dataclass(frozen=True)
+class LayerGeometry:
+    """What one layer's pages hold per token: ``num_kv_heads`` (Hk) heads of ``head_dim`` (D) keys and
+    ``v_head_dim`` (Dv) values. Layers of one geometry share a page pool (one allocation)."""
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K+V bytes of one token in one layer of this geometry."""
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim) * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One page pool: the layers of one geometry on one device. Every pool has ``num_blocks`` blocks
+    and all pools share the block manager's block tables (vLLM's KV cache groups).
+
+    Attributes:
+        geometry: the layers' (Hk, D, Dv).
+        device: where the pool lives (None: not allocated yet).
+        layers: layer indices whose K/V the pool holds.
+        readers: layers that hold no K/V of their own and read a layer of this pool (shared KV).
+        bytes_per_block: K+V bytes of one block in this pool (all its layers).
+    """
+
+    geometry: LayerGeometry
+    device: torch.device | None
+    layers: tuple[int, ...]
+    readers: tuple[int, ...]
+    bytes_per_block: int
+
+
 class PagedKVCache:
     """K/V pages for every layer of a model, plus the block accounting and step planning.
 
@@ -63,6 +97,13 @@ class PagedKVCache:
             it receives.
         v_head_dim: value head dim when it differs from ``head_dim`` (MLA latents); default same.
         enable_prefix_caching: share full blocks between sequences with equal prefixes.
+        layer_geometry: per-layer (Hk, D, Dv) when layers differ (Gemma 4's sliding vs global layers,
+            MiMo-V2-Flash): one :class:`LayerGeometry` per layer, None for a layer that stores no K/V.
+            Layers of one geometry share a page pool; every pool has ``num_blocks`` blocks addressed by
+            the same block tables (:meth:`groups`). Default: every layer ``(num_kv_heads, head_dim,
+            v_head_dim)``.
+        shared_layers: ``{reader: owner}`` for layers that reuse another layer's K/V (Gemma 3n, Gemma 4
+            KV sharing): the reader stores nothing and reads the owner's pages.
 
     Example:
         >>> kv = PagedKVCache(2, 2, 8, num_blocks=16, block_size=4, dtype=torch.float32)
@@ -85,15 +126,27 @@ class PagedKVCache:
         device: DeviceLike | Sequence[DeviceLike] = None,
         v_head_dim: int | None = None,
         enable_prefix_caching: bool = True,
+        layer_geometry: Sequence[LayerGeometry | None] | None = None,
+        shared_layers: Mapping[int, int] | None = None,
     ) -> None:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("num_blocks", num_blocks), ("block_size", block_size)):
             if value is not None and int(value) < 1:
                 raise ValueError(f"PagedKVCache: {name} must be >= 1, got {value}")
         self.num_layers = num_layers
+        self._shared = _check_shared(shared_layers, num_layers)
+        self._explicit_geometry = layer_geometry is not None
+        if layer_geometry is not None:
+            self._geometry = _check_geometry(layer_geometry, num_layers, self._shared)
+            first = next((g for g in self._geometry if g is not None), None)
+            if num_kv_heads is None and first is not None:
+                num_kv_heads, head_dim, v_head_dim = first.num_kv_heads, first.head_dim, first.v_head_dim
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.v_head_dim = v_head_dim if v_head_dim is not None else head_dim
+        if layer_geometry is None:
+            uniform = LayerGeometry(num_kv_heads, head_dim, self.v_head_dim) if num_kv_heads and head_dim else None
+            self._geometry = [None if i in self._shared else uniform for i in range(num_layers)]
         self._geometry_known = num_kv_heads is not None and head_dim is not None and dtype is not None
         self.block_size = block_size
         self.dtype = dtype
@@ -124,22 +177,29 @@ class PagedKVCache:
         return [_as_device(device)] * self.num_layers
 
     def _allocate_eagerly(self) -> None:
+        """One allocation per (device, geometry) pool; each layer's pages are a view of its pool's."""
         assert self._layer_devices is not None
-        by_device: dict[torch.device, list[int]] = {}
+        pools: dict[tuple[torch.device, LayerGeometry], list[int]] = {}
         for layer, dev in enumerate(self._layer_devices):
-            by_device.setdefault(dev, []).append(layer)
-        for dev, layers in by_device.items():
-            k = torch.zeros((len(layers), *self._page_shape(self.head_dim)), dtype=self.dtype, device=dev)
-            v = torch.zeros((len(layers), *self._page_shape(self.v_head_dim)), dtype=self.dtype, device=dev)
+            geometry = self._geometry[layer]
+            if geometry is not None:
+                pools.setdefault((dev, geometry), []).append(layer)
+        for (dev, g), layers in pools.items():
+            k = torch.zeros((len(layers), *self._page_shape(g.num_kv_heads, g.head_dim)), dtype=self.dtype, device=dev)
+            v = torch.zeros((len(layers), *self._page_shape(g.num_kv_heads, g.v_head_dim)), dtype=self.dtype,
+                            device=dev)
             for i, layer in enumerate(layers):
                 self._layers[layer] = _LayerPages(k[i], v[i])
 
-    def _page_shape(self, dim: int) -> tuple[int, int, int, int]:
-        return (self.num_blocks, self.block_size, self.num_kv_heads, dim)
+    def _page_shape(self, heads: int, dim: int) -> tuple[int, int, int, int]:
+        return (self.num_blocks, self.block_size, heads, dim)
 
     def _pages(self, layer: int) -> _LayerPages:
         pages = self._layers[layer]
         if pages is None:
+            owner = self._shared.get(layer)
+            if owner is not None:  # a layer reusing another layer's K/V reads the owner's pages
+                return self._pages(owner)
             raise RuntimeError(
                 f"PagedKVCache: layer {layer} has no pages yet (nothing was written to it); "
                 "write K/V first or create the cache with device=... to allocate eagerly"
@@ -156,6 +216,7 @@ class PagedKVCache:
             if self.dtype is None:
                 self.dtype = k.dtype
             self._geometry_known = True
+            self._geometry[layer] = LayerGeometry(hk, d, dv)
             pages = _LayerPages(
                 torch.zeros((self.num_blocks, self.block_size, hk, d), dtype=self.dtype, device=k.device),
                 torch.zeros((self.num_blocks, self.block_size, hk, dv), dtype=self.dtype, device=k.device),
@@ -174,16 +235,54 @@ class PagedKVCache:
     def layer_device(self, layer: int) -> torch.device | None:
         """Device of ``layer``'s pages (None while a lazily placed layer has not been written)."""
         pages = self._layers[layer]
+        if pages is None and layer in self._shared:
+            return self.layer_device(self._shared[layer])
         return pages.k.device if pages is not None else None
 
+    def layer_geometry(self, layer: int) -> LayerGeometry | None:
+        """(Hk, D, Dv) of the K/V ``layer`` stores; None for a layer that stores none (a reader of
+        another layer's K/V, a layer without attention) or whose geometry is not known yet."""
+        return self._geometry[layer]
+
+    @property
+    def shared_layers(self) -> dict[int, int]:
+        """``{reader: owner}``: layers that read another layer's pages instead of storing K/V."""
+        return dict(self._shared)
+
+    def _stored_geometries(self) -> list[LayerGeometry]:
+        """Geometry of every layer that stores K/V (a lazily placed layer not written yet counts as the
+        first written layer's, as long as no per-layer geometry was given)."""
+        default = None
+        if not self._explicit_geometry and self.num_kv_heads and self.head_dim:
+            default = LayerGeometry(self.num_kv_heads, self.head_dim, self.v_head_dim)
+        out = []
+        for layer, g in enumerate(self._geometry):
+            g = g if g is not None or layer in self._shared else default
+            if g is not None:
+                out.append(g)
+        return out
+
     def bytes_per_block(self) -> int:
-        """Bytes one block takes across all layers, keys and values."""
+        """Bytes one block takes across all layers (every geometry group), keys and values."""
         if not self._geometry_known:
             raise ValueError("PagedKVCache: geometry unknown until the first write (pass num_kv_heads, "
                              "head_dim and dtype to know block bytes up front)")
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_layer = self.block_size * self.num_kv_heads * (self.head_dim + self.v_head_dim) * elem
-        return per_layer * self.num_layers
+        return self.block_size * sum(g.bytes_per_token(self.dtype) for g in self._stored_geometries())
+
+    def groups(self) -> list[KVGroup]:
+        """The page pools: one per (geometry, device), in layer order; all share the block tables."""
+        keyed: dict[tuple[LayerGeometry, torch.device | None], tuple[list[int], list[int]]] = {}
+        for layer, g in enumerate(self._geometry):
+            if g is not None and layer not in self._shared:
+                keyed.setdefault((g, self.layer_device(layer)), ([], []))[0].append(layer)
+        for reader, owner in self._shared.items():
+            key = (self._geometry[owner], self.layer_device(owner))
+            if key in keyed:
+                keyed[key][1].append(reader)
+        elem = self.dtype if self.dtype is not None else torch.float32
+        return [KVGroup(g, dev, tuple(layers), tuple(sorted(readers)),
+                        self.block_size * len(layers) * g.bytes_per_token(elem))
+                for (g, dev), (layers, readers) in keyed.items()]
 
     def allocated_bytes(self) -> int:
         """Bytes of page memory allocated so far (all layers, K and V)."""
@@ -378,4 +477,32 @@ class PagedKVCache:
         return k * valid[..., None, None], v * valid[..., None, None], lengths
 
 
-__all__ = ["DeviceStep", "InputLayout", "PagedKVCache", "StepPlan", "default_block_size"]
+def _check_shared(shared: Mapping[int, int] | None, num_layers: int) -> dict[int, int]:
+    """Validate ``{reader: owner}``: both existing layers, an owner that stores its own K/V."""
+    out = {int(r): int(o) for r, o in (shared or {}).items()}
+    for reader, owner in out.items():
+        if not (0 <= reader < num_layers and 0 <= owner < num_layers) or reader == owner or owner in out:
+            raise ValueError(f"PagedKVCache: shared_layers maps layer {reader} to layer {owner}; both must be layers "
+                             f"of the cache (0..{num_layers - 1}), and the owner a layer that stores its own K/V "
+                             "(not itself a reader)")
+    return out
+
+
+def _check_geometry(geometry: Sequence[LayerGeometry | None], num_layers: int,
+                    shared: Mapping[int, int]) -> list[LayerGeometry | None]:
+    """One geometry (or None) per layer; readers of another layer's K/V store none."""
+    items = list(geometry)
+    if len(items) != num_layers:
+        raise ValueError(f"PagedKVCache: layer_geometry has {len(items)} entries for {num_layers} layers; "
+                         "give one LayerGeometry (or None for a layer that stores no K/V) per layer")
+    out: list[LayerGeometry | None] = []
+    for layer, g in enumerate(items):
+        if g is not None and not isinstance(g, LayerGeometry):
+            g = LayerGeometry(*g)
+        if g is not None and min(g.num_kv_heads, g.head_dim, g.v_head_dim) < 1:
+            raise ValueError(f"PagedKVCache: layer {layer} has geometry {g}; heads and dims must be >= 1")
+        out.append(None if layer in shared else g)
+    return out
+
+
+__all__ = ["DeviceStep", "InputLayout", "KVGroup", "LayerGeometry", "PagedKVCache", "StepPlan", "default_block_size"]

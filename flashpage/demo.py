@@ -33,7 +33,7 @@ def _hf_generate(model: Any, batch: dict[str, torch.Tensor], pad_id: int) -> tup
 def demo(model_name: str | None = None) -> dict[str, Any]:
     """Run the comparison and return a JSON-friendly report."""
     from flashpage.engine import LLM, SamplingParams
-    from flashpage.patches import patch, unpatch
+    from flashpage.patches import patch, returned_cache, unpatch
 
     model, tok = load_model(model_name)
     tok.padding_side = "left"
@@ -43,7 +43,7 @@ def demo(model_name: str | None = None) -> dict[str, Any]:
 
     patch(model)
     (got, got_out), t_patched = timed(_hf_generate, model, batch, tok.pad_token_id)
-    mem = got_out.cache.memory_stats()
+    mem = returned_cache(got_out).memory_stats()  # .cache or .past_key_values, by release
     unpatch(model)
 
     llm = LLM(model, tok, max_num_seqs=len(DEMO_PROMPTS))

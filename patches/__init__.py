@@ -4,8 +4,9 @@
 cache and makes ``generate()`` use it; ``unpatch`` undoes it; ``patched`` scopes it.
 """
 
-from flashpage.patches.compat import UnsupportedTransformersError, require_supported_transformers
+from flashpage.patches.compat import UnsupportedTransformersError, require_supported_transformers, returned_cache
 
+require_supported_transformers()  # transformers 4.x imports below too, and would fail later and obscurely
 try:
     from flashpage.patches.attention import ATTN_NAME
     from flashpage.patches.hf_cache import HFPagedCache, MemoryStats
@@ -15,4 +16,4 @@ except ImportError:  # a transformers without the APIs flashpage uses: name the 
     raise
 
 __all__ = ["ATTN_NAME", "HFPagedCache", "MemoryStats", "UnsupportedModelError", "UnsupportedTransformersError",
-           "is_patched", "patch", "patched", "unpatch"]
+           "is_patched", "patch", "patched", "returned_cache", "unpatch"]

@@ -6,10 +6,12 @@ would try to import flash-attn). The attention function has two paths:
 - paged: the layer's new K/V were written to pages by ``HFPagedCache.update`` for this forward;
   attention runs on the pages through the step the cache planned once for the forward
   (``DeviceStep.attend``: flash-attn where eligible, else the exact PyTorch kernels);
-- dense: no paged cache this forward (``use_cache=False``, a cache the caller chose, a model that
-  expands cached latents) or attention weights were asked for: the given K/V with transformers'
-  own mask, computed as transformers' sdpa (or, for softcap, sinks and weights, eager) attention
-  does, so the result is the unpatched model's.
+- unpatched: no paged cache this forward (training, ``use_cache=False``, a cache the caller chose):
+  the attention implementation the model had before ``patch()``, called as the model would call it
+  (``unpatched.py``): losses, gradients and dropout are exactly the unpatched model's;
+- dense: a model that expands cached latents, attention weights asked for, or a previous
+  implementation flashpage cannot call (flex, flash-attn): the given K/V with transformers' own
+  mask, computed as transformers' sdpa (or, for softcap, sinks and weights, eager) attention does.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from flashpage.kernels.paged import LayerOptions
+from flashpage.patches.unpatched import run_unpatched, unpatched_attention
 
 ATTN_NAME = "pagedkv"
 
@@ -67,11 +70,19 @@ def pagedkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     Returns:
         ``(out, weights or None)`` with out (B, Lq, H, Dv) contiguous.
     """
+    cache = getattr(getattr(module, "_flashpage_state", None), "active_cache", None)
+    own = unpatched_attention(module) if cache is None and not kwargs.get("output_attentions") else None
+    if own is not None:  # no paged cache in this forward (training, use_cache=False): the unpatched attention
+        given = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap),
+                                   ("is_causal", is_causal), ("s_aux", s_aux)) if v is not None}
+        return run_unpatched(*own, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                             **given, **kwargs)
     if dropout and module.training:
         raise ValueError("flashpage's attention is inference-only: dropout must be 0 (call model.eval())")
     options = _kernel_options(module, scaling, sliding_window, softcap, is_causal, s_aux)
-    cache = getattr(getattr(module, "_flashpage_state", None), "active_cache", None)
     layer = getattr(module, "layer_idx", None)
+    if layer is not None and layer < 0 and cache is not None:  # one module shared by several layers (Zamba2's
+        layer = cache.last_written  # attention block, layer_idx=-1): the layer whose K/V update() just wrote
     paged = cache is not None and cache.plan is not None and not cache.dense_view and layer is not None
     weights = bool(kwargs.get("output_attentions", False))
     # a sliding window counts padded positions; pages hold real tokens only: padding inside a sequence

@@ -87,6 +87,8 @@ class ProbeReport:
         calls: every attention call, in order.
         error: the exception the probe forward raised, if any.
         kv_shapes: per layer index, (KV heads, key head dim, value head dim) of what it stored.
+        state_layers / state_layers_used: the cache's recurrent-state layers, and those the model
+            wrote a state into (a model that keeps its recurrent state itself uses none).
         causal_by_mask: attention modules that say ``is_causal=False`` but are handed a causal mask
             (``patch`` makes them causal while patched).
         transformers_layers: per layer, what transformers' own cache for this config holds
@@ -97,6 +99,8 @@ class ProbeReport:
     calls: list[AttentionCall] = field(default_factory=list)
     kv_shapes: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     cross_attention_modules: list[str] = field(default_factory=list)
+    state_layers: list[int] = field(default_factory=list)
+    state_layers_used: list[int] = field(default_factory=list)
     causal_by_mask: list[torch.nn.Module] = field(default_factory=list)
     error: BaseException | None = None
     transformers_layers: list[str] = field(default_factory=list)
@@ -125,6 +129,9 @@ class _Recorder:
     def attended(self, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, mask: Any,
                  kwargs: dict[str, Any]) -> bool | None:
         layer = getattr(module, "layer_idx", None)
+        cache = self.state.active_cache
+        if isinstance(layer, int) and layer < 0 and cache is not None:  # a module shared by several layers
+            layer = cache.last_written  # (Zamba2's attention block): the layer whose K/V update() just wrote
         given = self.returned.get(layer) if isinstance(layer, int) else None
         own = None if given is None else _same(given[0], key) and _same(given[1], value)
         set_kwargs = {k: v for k, v in kwargs.items() if v is not None and v is not False}
@@ -292,6 +299,9 @@ def probe(model: torch.nn.Module, state: Any) -> ProbeReport:
     except Exception as exc:  # what would have happened inside the user's first generate()
         rec.report.error = exc
     finally:
+        rec.report.state_layers = list(getattr(cache, "state_layers", []))
+        rec.report.state_layers_used = [i for i in rec.report.state_layers
+                                        if getattr(cache.layers[i], "is_initialized", False)]
         cache.reset()
     return rec.report
 
@@ -494,16 +504,18 @@ def check_generation_processors(model: torch.nn.Module, report: ProbeReport) -> 
     return None
 
 
-def check_no_recurrent_state(model: torch.nn.Module, report: ProbeReport) -> str | None:
-    """Recurrent / linear-attention / convolution layers keep state the engine does not keep per sequence."""
-    if "linear" in report.transformers_layers:
-        return ("it has recurrent / linear-attention / convolution layers, whose state the engine does not keep per "
-                "sequence (a packed batch would mix sequences)")
+def check_recurrent_state_in_cache(model: torch.nn.Module, report: ProbeReport) -> str | None:
+    """Recurrent state the engine can keep per sequence is state the model keeps in the cache's state
+    layers; a model that keeps it in its own modules would mix the sequences of a batch."""
+    unused = [i for i in report.state_layers if i not in report.state_layers_used]
+    if unused:
+        return (f"its recurrent layers {unused} keep their state in the model's own modules, not in the cache, so "
+                "the engine cannot keep it per sequence")
     return None
 
 
 ENGINE_CHECKS: list[EngineCheck] = [check_uniform_kv_geometry, check_explicit_positions, check_logits_to_keep,
-                                    check_generation_processors, check_no_recurrent_state]
+                                    check_generation_processors, check_recurrent_state_in_cache]
 
 
 def engine_refusal_reason(model: torch.nn.Module, report: ProbeReport | None) -> str | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata
@@ -59,7 +60,13 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 def installed_version(dist: str) -> str:
-    """The installed version of distribution ``dist``, or "not installed"."""
+    """The installed version of distribution ``dist``, or "not installed".
+
+    transformers' own ``__version__`` once it is imported (what every HFPagedCache checks: reading
+    the package metadata costs milliseconds)."""
+    module = sys.modules.get(dist) if dist == "transformers" else None
+    if module is not None and isinstance(getattr(module, "__version__", None), str):
+        return module.__version__
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -108,6 +115,16 @@ def support_status() -> list[SupportStatus]:
 
 
 # --------------------------------------------------------------------------- feature tests
+def returned_cache(output: Any) -> Any:
+    """The cache a ``generate(..., return_dict_in_generate=True)`` returned, on every 5.x release:
+    ``output.cache`` since transformers 5.24, ``output.past_key_values`` before (None without a cache)."""
+    for name in ("cache", "past_key_values"):
+        cache = getattr(output, name, None)
+        if cache is not None:
+            return cache
+    return None
+
+
 def cache_kwarg(model: Any) -> str:
     """The keyword ``model.forward`` takes its cache by: "cache" (transformers >= 5.24) or "past_key_values"."""
     try:

@@ -10,6 +10,12 @@ logical, padded length it expects, so ``generate()`` slices inputs exactly as wi
 Beam search reorders by forking sequences (shared blocks, copy-on-write of the partial last
 block); assisted decoding crops by truncating sequences; a returned cache can be passed to a
 second ``generate()`` call to continue without recomputing the conversation.
+
+Hybrid models (Qwen3-Next / Qwen3.5, Jamba, Bamba, Falcon-H1, Granite-4, Nemotron-H, LFM2, Zamba,
+Mamba, ...) keep transformers' own linear-attention / SSM layer objects (conv and recurrent
+states, one row per batch row) for the layers whose ``config.layer_types`` entry says so; only the
+attention layers are paged. A layer with both (``"hybrid"``: Falcon-H1, Zamba) pages its K/V and
+keeps its states. Pure state-space models (Mamba, Mamba-2, Falcon-Mamba) hold no pages at all.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers import cache_utils
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from flashpage.cache import DeviceStep, InputLayout, PagedKVCache, StepPlan, default_block_size
+from flashpage.cache import DeviceStep, InputLayout, KVGroup, PagedKVCache, StepPlan, default_block_size
 from flashpage.errors import check_positive_ints
 from flashpage.patches.compat import legacy_crop
+from flashpage.patches.geometry import shared_kv_layers
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,8 @@ class MemoryStats:
         bytes_in_use: bytes of the blocks in use (all layers, K and V).
         bytes_allocated: bytes of the whole page pool.
         dense_bytes: bytes a DynamicCache would hold for the same batch (batch x padded length).
+        groups: the page pools, one per K/V geometry (layers of different head counts or sizes,
+            e.g. Gemma 4's sliding and global layers), all sharing the block tables.
     """
 
     num_blocks: int
@@ -48,6 +58,8 @@ class MemoryStats:
     bytes_in_use: int
     bytes_allocated: int
     dense_bytes: int
+    state_bytes: int = 0  # linear-attention / SSM states of hybrid models (included in the byte counts)
+    groups: tuple[KVGroup, ...] = ()
 
     @property
     def saving(self) -> float:
@@ -102,6 +114,61 @@ class _PagedLayer(CacheLayerMixin):
         return None
 
 
+# transformers' linear-attention layer (conv / recurrent states), from 5.20 on; None before.
+_LinearLayer = getattr(cache_utils, "LinearAttentionLayer", None)
+_LinearMixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+
+
+if _LinearLayer is not None:
+    class _PagedHybridLayer(_LinearLayer, _PagedLayer):  # type: ignore[misc, valid-type]
+        """A layer with both K/V (paged) and linear-attention states (kept as transformers keeps them)."""
+
+        is_compileable = False
+
+        def __init__(self, parent: HFPagedCache, layer_idx: int, number_of_states: int = 1, **kwargs) -> None:
+            _PagedLayer.__init__(self, parent, layer_idx)
+            _LinearLayer.__init__(self, number_of_states=number_of_states)
+
+        def lazy_initialization(self, *args, **kwargs) -> None:
+            if args:  # the K/V side: pages are allocated by the pool
+                return None
+            _LinearLayer.lazy_initialization(self, **kwargs)
+
+
+def cache_layer_types(config, num_layers: int) -> tuple[list[str], list[dict]]:
+    """transformers' cache layer type of each decoder layer and its constructor kwargs.
+
+    ``("full_attention", ...)`` for every layer where transformers has no per-layer cache types
+    (before 5.20) or the config does not say; ``"linear_attention"`` / ``"conv"`` / ``"hybrid"`` where
+    the model keeps linear-attention / SSM states (``DynamicCache(config)`` builds the same list)."""
+    plain = (["full_attention"] * num_layers, [{} for _ in range(num_layers)])
+    get_types = getattr(cache_utils, "get_layer_types_and_kwargs", None)
+    if config is None or get_types is None or _LinearMixin is None:
+        return plain
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    try:
+        types, kwargs = get_types(text_config)
+    except (AttributeError, TypeError, ValueError):
+        return plain
+    types, kwargs = list(types), list(kwargs)
+    if len(types) != num_layers:
+        return plain
+    return types, kwargs
+
+
+def _make_layer(parent: HFPagedCache, layer_idx: int, layer_type: str, kwargs: dict) -> CacheLayerMixin:
+    """transformers' own layer object for state-only layers, a paged (or paged+state) layer otherwise."""
+    if _LinearMixin is None:
+        return _PagedLayer(parent, layer_idx)
+    layer_class = cache_utils.DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type)
+    if layer_class is None or not issubclass(layer_class, _LinearMixin):
+        return _PagedLayer(parent, layer_idx)
+    states = {"number_of_states": kwargs.get("number_of_states", 1)}
+    if issubclass(layer_class, CacheLayerMixin):  # states and K/V in one layer
+        return _PagedHybridLayer(parent, layer_idx, **states)
+    return layer_class(**states)
+
+
 class HFPagedCache(Cache):
     """A transformers Cache over a :class:`~flashpage.PagedKVCache` (flash-attn page layout).
 
@@ -142,7 +209,14 @@ class HFPagedCache(Cache):
                 raise ValueError("HFPagedCache needs the model config (HFPagedCache(model.config)) or num_layers=")
             text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
             num_layers = int(text_config.num_hidden_layers)
-        super().__init__(layers=[_PagedLayer(self, i) for i in range(num_layers)])
+        types, type_kwargs = cache_layer_types(config, num_layers)
+        layers = [_make_layer(self, i, t, kw) for i, (t, kw) in enumerate(zip(types, type_kwargs, strict=True))]
+        super().__init__(layers=layers)
+        self.layer_types = types
+        self.state_layers = [i for i, layer in enumerate(self.layers)
+                             if _LinearMixin is not None and isinstance(layer, _LinearMixin)]
+        self._states_lost = False  # a failed forward left some layers' states advanced (not undoable)
+        self.last_written = 0  # the layer update() wrote last (for modules shared by several layers)
         self.num_layers = num_layers
         self._requested_blocks = num_blocks
         self._block_size = block_size
@@ -150,6 +224,7 @@ class HFPagedCache(Cache):
         self.enable_prefix_caching = enable_prefix_caching
         self.growable = growable
         self.dense_view = dense_view
+        self.shared_layers = shared_kv_layers(config) if config is not None else {}  # {reader: owner} layers
         self.kv: PagedKVCache | None = None
         self.rows: list[int] = []
         self._next_seq = 0
@@ -178,6 +253,7 @@ class HFPagedCache(Cache):
         """A cache over an existing pool whose steps the caller plans (sets ``.plan``), e.g. the engine."""
         cache = cls(config, num_layers=kv.num_layers, block_size=kv.block_size)
         cache.kv = kv
+        cache.shared_layers = kv.shared_layers
         return cache
 
     # ------------------------------------------------------------ transformers API
@@ -187,7 +263,13 @@ class HFPagedCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return True
+        """Always for the pages; linear-attention layers only while they record their past (transformers' rule)."""
+        return all(self.layers[i].is_croppable for i in self.state_layers)
+
+    @property
+    def has_states(self) -> bool:
+        """Some layers keep linear-attention / SSM states (a hybrid or state-space model)."""
+        return bool(self.state_layers)
 
     @property
     def is_initialized(self) -> bool:
@@ -238,7 +320,9 @@ class HFPagedCache(Cache):
         return -1
 
     def activate_past_recording(self) -> None:
-        return None  # every token is kept; crop() can always roll back
+        """Pages keep every token anyway; linear-attention layers start keeping their conv inputs."""
+        for i in self.state_layers:
+            self.layers[i].activate_past_recording()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write a layer's new K/V (B, Hk, L, D) into its pages.
@@ -256,19 +340,21 @@ class HFPagedCache(Cache):
         v = value_states.transpose(1, 2).reshape(b * length, hk, value_states.shape[-1])
         step = self.step if self.step is not None and self.step.input_slots.device == k.device else self.plan
         self.kv.write(layer_idx, k, v, step)
+        self.last_written = layer_idx
         if self.dense_view:
             return self.dense_kv(layer_idx, key_states.dtype)
         return key_states, value_states
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: row ``i`` continues row ``beam_idx[i]``; blocks are shared, never copied."""
+        """Beam search: row ``i`` continues row ``beam_idx[i]``; blocks are shared, never copied
+        (linear-attention states are copied row by row, as transformers does)."""
         self._select(beam_idx.tolist())
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._select(torch.as_tensor(indices).tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select([i for i in range(len(self.rows)) for _ in range(repeats)])
+        self._select([i for i in range(max(len(self.rows), self._state_rows())) for _ in range(repeats)])
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (transformers 5: ``crop(-n)``; ``crop(0)`` is a no-op).
@@ -280,6 +366,8 @@ class HFPagedCache(Cache):
                 raise ValueError(f"HFPagedCache.crop({tokens_to_remove}): pass a negative number of tokens to "
                                  "remove (transformers 5 semantics), e.g. crop(-2)")
             tokens_to_remove = min(0, tokens_to_remove - self._logical_len)
+        for i in self.state_layers:  # raises unless recording (transformers' rule); crop(0) trims conv inputs
+            self.layers[i].crop(tokens_to_remove)
         if tokens_to_remove == 0 or self.kv is None:
             return
         remove = min(-tokens_to_remove, self._logical_len)
@@ -295,6 +383,9 @@ class HFPagedCache(Cache):
         if self.kv is not None:
             for seq in self.rows:
                 self.kv.free(seq)
+        for i in self.state_layers:
+            self.layers[i].reset()
+        self._states_lost = False
         self.rows = []
         self._logical_len = 0
         self._real = torch.zeros((0, 0), dtype=torch.bool)
@@ -311,6 +402,11 @@ class HFPagedCache(Cache):
         """
         if self.plan is not None:  # left over from a forward that was interrupted
             self.end_forward(ok=False)
+        if self._states_lost:
+            raise RuntimeError(
+                "HFPagedCache: an earlier forward failed part-way through this hybrid model's linear-attention / "
+                "SSM layers, whose states cannot be rolled back; the cached sequences are lost. Start again "
+                "with a new cache (or cache.reset()).")
         if self.kv is None:
             self._create_pool(batch, length, device)
         new_mask = self._new_token_mask(attention_mask, batch, length)
@@ -377,9 +473,12 @@ class HFPagedCache(Cache):
             for seq in self.rows:
                 self.kv.truncate(seq, 0, invalidate=True)
                 self.kv.free(seq)
+            for i in self.state_layers:
+                self.layers[i].reset()
             self.rows = []
             self._real = torch.zeros((0, 0), dtype=torch.bool)
         else:
+            self._states_lost = self.has_states
             for seq, n in zip(plan.seq_ids, plan.context_lens, strict=True):
                 self.kv.truncate(seq, n, invalidate=True)
             self._real = self._real[:, : self._logical_len]
@@ -390,7 +489,8 @@ class HFPagedCache(Cache):
         per_seq = self.max_cache_len or (length + 256)
         num_blocks = self._requested_blocks or batch * (math.ceil(per_seq / block_size) + 1) + 1
         self.kv = PagedKVCache(self.num_layers, None, None, num_blocks=num_blocks, block_size=block_size,
-                               dtype=None, enable_prefix_caching=self.enable_prefix_caching)
+                               dtype=None, enable_prefix_caching=self.enable_prefix_caching,
+                               shared_layers=self.shared_layers)
 
     def _add_rows(self, batch: int) -> None:
         for _ in range(batch):
@@ -434,8 +534,23 @@ class HFPagedCache(Cache):
         if needed > free and self.growable:
             self.kv.grow(max(2 * self.kv.num_blocks, self.kv.num_blocks + needed - free))
 
+    def _state_rows(self) -> int:
+        """Batch rows the linear-attention states hold (0 before the first forward)."""
+        for i in self.state_layers:
+            layer = self.layers[i]
+            for states in (layer.conv_states, layer.recurrent_states):
+                tensor = next((t for t in states.values() if t is not None), None)
+                if tensor is not None:
+                    return int(tensor.shape[0])
+        return 0
+
     def _select(self, rows: list[int]) -> None:
-        """New row i continues old row ``rows[i]`` (fork: shared blocks, COW of the last one)."""
+        """New row i continues old row ``rows[i]`` (fork: shared blocks, COW of the last one; the
+        linear-attention states are gathered row by row)."""
+        if self.state_layers and self._state_rows():
+            index = torch.as_tensor(rows, dtype=torch.long)
+            for i in self.state_layers:
+                self.layers[i].reorder_cache(index)
         if self.kv is None or not self.rows:
             return
         old = self.rows
@@ -462,12 +577,64 @@ class HFPagedCache(Cache):
         return dense_k.transpose(1, 2).to(dtype), dense_v.transpose(1, 2).to(dtype)
 
     # -------------------------------------------------------------- reporting
+    # ------------------------------------------------------- engine state slots
+    def read_states(self) -> tuple[dict[tuple[int, str, int], torch.Tensor], dict[tuple[int, int], bool]]:
+        """The state layers' current states ``{(layer, "conv" | "recurrent", index): (B, *shape)}`` and
+        their has-previous-state flags ``{(layer, index): bool}`` (for the engine's state slots)."""
+        states: dict[tuple[int, str, int], torch.Tensor] = {}
+        previous: dict[tuple[int, int], bool] = {}
+        for i in self.state_layers:
+            layer = self.layers[i]
+            for kind, tensors in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
+                for j, tensor in tensors.items():
+                    if tensor is not None:
+                        states[(i, kind, j)] = tensor
+            for j, flag in layer.has_previous_state.items():
+                previous[(i, j)] = bool(flag)
+        return states, previous
+
+    def load_states(self, states: dict[tuple[int, str, int], torch.Tensor] | None,
+                    previous: dict[tuple[int, int], bool] | None = None) -> None:
+        """Set the state layers for the next forward: ``states`` as :meth:`read_states` gives them
+        (rows = the forward's batch rows), or None for sequences that start here (no previous state)."""
+        for i in self.state_layers:
+            layer = self.layers[i]
+            _LinearLayer.__init__(layer, number_of_states=layer.number_of_states)  # forget the last forward's rows
+            if isinstance(layer, _PagedLayer):
+                layer.is_initialized = True
+        if not states:
+            return
+        for (i, kind, j), tensor in states.items():
+            layer = self.layers[i]
+            layer.device, layer.dtype = tensor.device, tensor.dtype
+            if kind == "conv":
+                layer.conv_states[j] = tensor
+                layer.conv_kernel_size[j] = tensor.shape[-1]
+                layer.is_conv_states_initialized[j] = True
+            else:
+                layer.recurrent_states[j] = tensor
+                layer.is_recurrent_states_initialized[j] = True
+        for (i, j), flag in (previous or {}).items():
+            self.layers[i].has_previous_state[j] = flag
+
+    def state_bytes(self) -> int:
+        """Bytes of the linear-attention / SSM states held (all rows, all state layers)."""
+        total = 0
+        for i in self.state_layers:
+            layer = self.layers[i]
+            for states in (layer.conv_states, layer.recurrent_states):
+                total += sum(t.numel() * t.element_size() for t in states.values() if t is not None)
+        return total
+
     def memory_stats(self) -> MemoryStats:
-        """Blocks, bytes and tokens held, against a dense cache for the same batch."""
+        """Blocks, bytes and tokens held, against a dense cache for the same batch (both counting the
+        linear-attention / SSM states of a hybrid model, which are the same in either)."""
+        state = self.state_bytes()
         if self.kv is None or self.kv.dtype is None:
-            return MemoryStats(0, self._block_size or 0, 0, 0, 0, 0, 0, 0)
+            return MemoryStats(0, self._block_size or 0, 0, 0, 0, state, state, state, state)
         stats = self.kv.stats()
-        per_block = self.kv.bytes_per_block()
+        paged_layers = sum(1 for layer in self.layers if isinstance(layer, _PagedLayer))
+        per_block = self.kv.bytes_per_block() * paged_layers // self.num_layers
         per_token = per_block // self.kv.block_size
         return MemoryStats(
             num_blocks=stats.num_blocks,
@@ -475,9 +642,11 @@ class HFPagedCache(Cache):
             blocks_in_use=stats.in_use,
             tokens_stored=sum(self.kv.num_tokens(s) for s in self.rows),
             token_slots_in_use=stats.in_use * stats.block_size,
-            bytes_in_use=stats.in_use * per_block,
-            bytes_allocated=self.kv.allocated_bytes(),
-            dense_bytes=len(self.rows) * self._logical_len * per_token,
+            bytes_in_use=stats.in_use * per_block + state,
+            bytes_allocated=self.kv.allocated_bytes() + state,
+            dense_bytes=len(self.rows) * self._logical_len * per_token + state,
+            state_bytes=state,
+            groups=tuple(self.kv.groups()),
         )
 
     def __repr__(self) -> str:

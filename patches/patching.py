@@ -320,10 +320,11 @@ def _pre_hook(state: PatchState):
 def _fixed_width_mask(cache: HFPagedCache, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """generate()'s 2D mask grows by a column per step; the paged attention does not read it (the plan
     has what it says), but a compiled forward would see a new shape every step. Widen it to the
-    cache's fixed ``max_cache_len`` with padding columns: every decode step then has one shape."""
+    cache's fixed ``max_cache_len`` with padding columns: every decode step then has one shape. Not for
+    hybrid models: their linear-attention layers read the mask's last columns as this forward's padding."""
     mask = kwargs.get("attention_mask")
     width = cache.max_cache_len
-    if cache.dense_view or not width or not isinstance(mask, torch.Tensor) or mask.dim() != 2 \
+    if cache.dense_view or cache.has_states or not width or not isinstance(mask, torch.Tensor) or mask.dim() != 2 \
             or mask.shape[1] >= width:
         return None
     return args, {**kwargs, "attention_mask": F.pad(mask, (0, width - mask.shape[1]))}

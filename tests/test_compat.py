@@ -130,6 +130,8 @@ def test_patched_generate_uses_the_cache_keyword_of_this_transformers() -> None:
     assert torch.equal(out.sequences, ref)
     returned = out.cache if hasattr(out, "cache") else out.past_key_values
     assert returned is cache and cache.get_seq_length() == ids.shape[1] + 5
+    assert flashpage.returned_cache(out) is cache  # the README's spelling, on every release
+    assert flashpage.returned_cache(object()) is None
 
 
 def test_mask_function_is_the_installed_sdpa_mask() -> None:

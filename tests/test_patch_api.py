@@ -266,18 +266,18 @@ def test_use_cache_false_runs_dense_path(model: torch.nn.Module, batch: tuple[to
                                          paged_forwards: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     ref = _greedy(model, batch, use_cache=False)
     dense_calls: list[int] = []
-    original = attention._dense
+    original = attention.run_unpatched  # without a paged cache: the unpatched model's attention (unpatched.py)
 
     def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
         dense_calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "_dense", counting)
+    monkeypatch.setattr(attention, "run_unpatched", counting)
     flashpage.patch(model)
     got = _greedy(model, batch, use_cache=False)
     assert torch.equal(got, ref)
     assert not paged_forwards, "use_cache=False still created a paged cache"
-    assert dense_calls, "use_cache=False did not run flashpage's dense attention"
+    assert dense_calls, "use_cache=False did not run the unpatched attention through flashpage's function"
 
 
 def test_base_model_called_directly_plans_its_forward(model: torch.nn.Module,

@@ -185,6 +185,7 @@ def _hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: 
 
 def run_hf_generate(model: Any, work: Workload, pad_id: int, vocab_size: int, seed: int = 0) -> dict[str, Any]:
     from flashpage.bench.generate import dense_cache_bytes
+    from flashpage.patches import returned_cache
 
     _hf_generate(model, _warm_prompts(vocab_size, seed), 4, pad_id)
     tokens: list[list[int]] = []
@@ -198,7 +199,7 @@ def run_hf_generate(model: Any, work: Workload, pad_id: int, vocab_size: int, se
         clock = _StepClock()
         out = _hf_generate(model, prompts, max(lens), pad_id, clock)
         width = max(len(p) for p in prompts)
-        peak_kv = max(peak_kv, dense_cache_bytes(out.cache))
+        peak_kv = max(peak_kv, dense_cache_bytes(returned_cache(out)))
         step_logits = torch.stack(out.logits, dim=1)  # (B, steps, V)
         for j, n in enumerate(lens):
             tokens.append(out.sequences[j, width:width + n].tolist())
@@ -222,31 +223,66 @@ def run_hf_generate(model: Any, work: Workload, pad_id: int, vocab_size: int, se
 
 
 # ------------------------------------------------------------------------------------------------ HF CB
+class CBUnavailable(RuntimeError):
+    """transformers' continuous batching cannot run here (this release, this device)."""
+
+
+def _cb_manager(model: Any, gen_config: Any, num_blocks: int) -> Any:
+    """transformers' continuous-batching context manager with flashpage's block size and pool, in the
+    spelling of the installed release: a ``ContinuousBatchingConfig`` (``page_size`` since 5.17,
+    ``block_size`` before) where it exists, else (5.0-5.x) the same settings on the generation config."""
+    import inspect
+
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    except ImportError:  # the early 5.x API: the cache reads its geometry from the generation config
+        gen_config.block_size, gen_config.num_blocks = BLOCK_SIZE, num_blocks
+        gen_config.max_batch_tokens, gen_config.use_cuda_graph = MAX_BATCHED_TOKENS, False
+        return model.continuous_batching_context_manager(generation_config=gen_config, allow_block_sharing=True)
+    fields = inspect.signature(ContinuousBatchingConfig).parameters
+    wanted = {"page_size" if "page_size" in fields else "block_size": BLOCK_SIZE, "num_blocks": num_blocks,
+              "max_batch_tokens": MAX_BATCHED_TOKENS, "use_cuda_graph": False, "auto_switch_to_flash": False,
+              "allow_block_sharing": True}
+    cb_config = ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in fields})
+    return model.continuous_batching_context_manager(generation_config=gen_config,
+                                                     continuous_batching_config=cb_config, warmup=True)
+
+
+def _cb_allocated_bytes(mgr: Any) -> int:
+    """Bytes of transformers' paged cache: one ``cache_tensor`` (newer releases) or per-layer K/V lists."""
+    cache = mgr.batch_processor.cache if getattr(mgr, "batch_processor", None) is not None else None
+    if cache is None:
+        return 0
+    if isinstance(getattr(cache, "cache_tensor", None), torch.Tensor):
+        return int(cache.cache_tensor.nbytes)
+    return sum(int(t.nbytes) for name in ("key_cache", "value_cache") for t in getattr(cache, name, []))
+
+
 def run_hf_cb(model: Any, work: Workload, num_blocks: int, vocab_size: int, seed: int = 0,
               attn: str = CB_ATTN) -> dict[str, Any]:
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     previous_attn = model.config._attn_implementation
     model.set_attn_implementation(attn)
     gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(work.max_tokens), eos_token_id=-1,
                                   pad_token_id=0)
-    cb_config = ContinuousBatchingConfig(page_size=BLOCK_SIZE, num_blocks=num_blocks,
-                                         max_batch_tokens=MAX_BATCHED_TOKENS, use_cuda_graph=False,
-                                         auto_switch_to_flash=False, allow_block_sharing=True)
     results: dict[str, Any] = {}
     try:
-        with model.continuous_batching_context_manager(generation_config=gen_config,
-                                                       continuous_batching_config=cb_config, warmup=True) as mgr:
+        with _cb_manager(model, gen_config, num_blocks) as mgr:
             _cb_collect(mgr, {f"warm{i}": (p, 4) for i, p in enumerate(_warm_prompts(vocab_size, seed))})
-            cache = mgr.batch_processor.cache if mgr.batch_processor is not None else None
-            allocated = int(cache.cache_tensor.nbytes) if cache is not None else 0
+            allocated = _cb_allocated_bytes(mgr)
             requests = {f"req{i}": (p, n) for i, (p, n) in enumerate(zip(work.prompts, work.max_tokens, strict=True))}
             start = time.perf_counter()
             results = _cb_collect(mgr, requests)
             elapsed = time.perf_counter() - start
+            started = getattr(mgr, "batch_processor", None) is not None
     finally:
         model.set_attn_implementation(previous_attn)
+    if not results and not started:  # e.g. 5.0's CB sizes its cache from CUDA memory stats, even on CPU
+        import transformers
+
+        raise CBUnavailable(f"transformers {transformers.__version__}'s continuous batching did not start on "
+                            f"{model.device.type} (its error is logged above)")
     outs = [results.get(f"req{i}") for i in range(len(work.prompts))]
     failed = [i for i, o in enumerate(outs) if o is None or o.error is not None]
     tokens = [list(o.generated_tokens) if o is not None else [] for o in outs]
@@ -312,11 +348,16 @@ def run(workload: str = "mixed", model_name: str | None = None, quick: bool = Fa
     _log(f"model: {bm.name}, {bm.parameters / 1e6:.1f}M parameters; workload {workload}: {work.description}")
 
     raw: dict[str, dict[str, Any]] = {}
+    unavailable: dict[str, str] = {}  # system -> why it did not run
     _log("HF generate() (reference)")
     raw["hf_generate"] = run_hf_generate(model, work, pad_id, bm.vocab_size, seed)
     if "hf_cb" in systems:
         _log(f"HF continuous batching ({CB_ATTN})")
-        raw["hf_cb"] = run_hf_cb(model, work, num_blocks, bm.vocab_size, seed)
+        try:
+            raw["hf_cb"] = run_hf_cb(model, work, num_blocks, bm.vocab_size, seed)
+        except CBUnavailable as exc:
+            _log(f"HF continuous batching skipped: {exc}")
+            unavailable["hf_cb"] = str(exc)
     if "flashpage" in systems:
         _log("flashpage.LLM")
         raw["flashpage"] = run_flashpage(model, work, num_blocks, bm.vocab_size, seed)
@@ -371,6 +412,7 @@ def run(workload: str = "mixed", model_name: str | None = None, quick: bool = Fa
         "max_batched_tokens": MAX_BATCHED_TOKENS,
         "hf_batch_size": HF_BATCH,
         "systems": result_systems,
+        "unavailable": unavailable,
         "ratios": ratios,
         "goals": goals,
         "outputs_agree": agree,
@@ -420,6 +462,8 @@ def format_report(result: dict[str, Any]) -> str:
         lat = "".join(f"{_ms(s[k]) + ' ms':>11}" for k in ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s"))
         lines.append(f"{s['label']:<24}{s['output_tokens_per_s']:>8.1f}{s['seconds']:>9.2f}{lat}"
                      f"{s['peak_kv_bytes'] / 2**20:>8.1f} MiB   {agree}")
+    for name, why in result.get("unavailable", {}).items():
+        lines.append(f"{LABELS[name]:<24}not run: {why}")
     fp = result["systems"].get("flashpage")
     if fp is not None:
         lines += ["", f"flashpage: {fp['steps']} steps, peak {fp['peak_blocks_in_use']} of {fp['num_blocks']} blocks "

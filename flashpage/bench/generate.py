@@ -90,7 +90,7 @@ def _kv_report(cache: Any, prompt_lengths: list[int], new_tokens: int) -> dict[s
 
 def _run_case(model: Any, ids: torch.Tensor, mask: torch.Tensor, prompt_lengths: list[int], name: str,
               new_tokens: int, pad_id: int) -> dict[str, Any]:
-    from flashpage.patches import is_patched, patch, unpatch
+    from flashpage.patches import is_patched, patch, returned_cache, unpatch
 
     width, batch = ids.shape[1], ids.shape[0]
     assert not is_patched(model)
@@ -107,11 +107,11 @@ def _run_case(model: Any, ids: torch.Tensor, mask: torch.Tensor, prompt_lengths:
             t_got = min(t_got, seconds)
         finally:
             unpatch(model)
-    dense = dense_cache_bytes(ref.cache)
+    dense = dense_cache_bytes(returned_cache(ref))
     ref_tokens = ref.sequences[:, width:].tolist()
     ref_logits = torch.stack(ref.logits, dim=1)  # (B, new, V)
     del ref
-    kv = _kv_report(got.cache, prompt_lengths, new_tokens)
+    kv = _kv_report(returned_cache(got), prompt_lengths, new_tokens)
     got_tokens = got.sequences[:, width:].tolist()
     del got
     matches = [compare_greedy(r, g, list(ref_logits[i])) for i, (r, g) in enumerate(zip(ref_tokens, got_tokens,

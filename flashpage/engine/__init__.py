@@ -9,6 +9,7 @@ from flashpage.engine.outputs import (
            TokenLogprob,
 )
 from flashpage.engine.params import SamplingParams
+from flashpage.engine.structured import StructuredOutputsParams
 
 __all__ = ["LLM", "CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput", "SamplingParams",
-           "StreamOutput", "TokenLogprob"]
+           "StreamOutput", "StructuredOutputsParams", "TokenLogprob"]

@@ -19,15 +19,20 @@ from typing import Any
 
 import torch
 
-from flashpage.cache import PagedKVCache, default_block_size
+from flashpage.cache import KVGroup, PagedKVCache, default_block_size
+from flashpage.engine import prompt_logprobs
 from flashpage.engine.compiled import CompiledDecode, default_compile
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
+from flashpage.engine.limits import context_overflow
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.sampler import Sampler
 from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
 from flashpage.engine.sequence import Group, Seq
 from flashpage.engine.sizing import KVSizing, plan_kv_pool, pool_warning
+from flashpage.engine.states import StateSlots, recurrent_states_of, restart_from_scratch, stateful_forward
+from flashpage.engine.structured import GrammarEngine
+from flashpage.engine.weights import WeightWatcher, forget_kv
 from flashpage.errors import check_positive_ints
 from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
 from flashpage.patches.checks import engine_refusal_reason
@@ -59,6 +64,11 @@ class EngineStats:
     tp_size: int = 1
     kv_heads: int = 0  # KV heads in this rank's pool (under TP: its local heads only)
     kv_bytes: int = 0  # this rank's KV pool (K and V, all layers)
+    kv_groups: tuple[KVGroup, ...] = ()  # the page pools, one per K/V geometry (Gemma 4: sliding and global layers)
+    prefix_caching: bool = True  # off for models with recurrent layers (their states are not snapshotted per block)
+    kv_bytes_per_token: int = 0  # K+V bytes one token of a sequence takes in the pool (all paged layers)
+    state_bytes_per_seq: int = 0  # recurrent / linear-attention state bytes per sequence (hybrid models)
+    state_bytes: int = 0  # the state slots allocated (all sequences)
 
     @property
     def output_tokens_per_second(self) -> float:
@@ -129,6 +139,8 @@ class LLM:
             self.device = next(self.model.parameters()).device
             config = self.model.config.get_text_config(decoder=True)
             self.vocab_size = int(config.vocab_size)
+            self._states: StateSlots | None = recurrent_states_of(self.model, HFPagedCache(self.model.config))
+            enable_prefix_caching = enable_prefix_caching and self._states is None
             known_len = max_model_len or getattr(config, "max_position_embeddings", None)
             self.max_model_len = known_len or 1 << 30
             sizing = plan_kv_pool(self.model, self.device, block_size or default_block_size(self.device),
@@ -146,7 +158,8 @@ class LLM:
             self.kv = PagedKVCache(sizing.num_layers, sizing.num_kv_heads, sizing.head_dim,
                                    v_head_dim=sizing.v_head_dim, num_blocks=sizing.num_blocks,
                                    block_size=sizing.block_size, dtype=sizing.dtype, device=sizing.layer_devices,
-                                   enable_prefix_caching=enable_prefix_caching)
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   layer_geometry=sizing.layer_geometry, shared_layers=sizing.shared_layers)
         except BaseException:  # leave the model as it was given
             if not was_patched:
                 unpatch(self.model)
@@ -157,6 +170,7 @@ class LLM:
         self.sampler = Sampler(_eos_ids(self.model, tokenizer),
                                sync=self._tp.same_tokens if self._tp is not None else None)
         self.max_num_batched_tokens = max_num_batched_tokens
+        self._grammar: GrammarEngine | None = None  # made by the first structured-outputs request
         self._groups: dict[str, Group] = {}
         self._unreported: dict[str, Group] = {}  # add_request()s that finished inside generate()/stream()
         self._ids = itertools.count()
@@ -165,8 +179,10 @@ class LLM:
         self.step_request_ids: tuple[str, ...] = ()  # requests of the latest step (set even when it raises)
         self.check_invariants = check_invariants
         use_compile = default_compile(self.device) and self._tp is None if compile is None else bool(compile)
+        use_compile = use_compile and self._states is None  # the compiled step is the packed [1, T] layout
         self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
             if use_compile else None
+        self._weights = WeightWatcher(self.model)  # KV of older weights is dropped, never reused (weights.py)
 
     # ------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
@@ -201,6 +217,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one packed forward; returns the outputs of requests that progressed this step, preceded
         by the final outputs of add_request() requests that finished while a generate()/stream() ran."""
+        self._check_weights(full=False)
         touched = self._step()
         pending = list(self._unreported.values())
         self._unreported.clear()
@@ -215,7 +232,11 @@ class LLM:
                            self._compiled.steps if self._compiled is not None else 0,
                            self._tp.info.rank if self._tp is not None else 0,
                            self._tp.info.size if self._tp is not None else 1,
-                           self.sizing.num_kv_heads, self.sizing.total_bytes)
+                           self.sizing.num_kv_heads, self.sizing.total_bytes, tuple(self.kv.groups()),
+                           prefix_caching=self.kv.blocks.enable_prefix_caching,
+                           kv_bytes_per_token=self.sizing.bytes_per_token,
+                           state_bytes_per_seq=self._states.bytes_per_sequence() if self._states is not None else 0,
+                           state_bytes=self._states.allocated_bytes() if self._states is not None else 0)
 
     # -------------------------------------------------------- batch helpers
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -223,6 +244,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
         with self._exclusive("generate"):
+            self._check_weights()
             groups = self._make_groups(prompts, sampling_params)
             for g in groups:
                 self._enqueue(g)
@@ -233,6 +255,7 @@ class LLM:
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StreamOutput]:
         """Yield each sample's new tokens (ids and text delta) as they are produced."""
         with self._exclusive("stream"):
+            self._check_weights()
             groups = self._make_groups(prompts, sampling_params, streamed=True)
             for g in groups:
                 self._enqueue(g)
@@ -245,6 +268,24 @@ class LLM:
                 for g in groups:
                     if not g.finished:
                         self._abort_here(g)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all KV computed so far (as vLLM's): the prefix cache is emptied and running requests
+        are recomputed from their tokens at their next step. The engine does this by itself when it
+        sees the weights change (see :mod:`flashpage.engine.weights`); call it after changes it cannot
+        see (writes through ``param.data`` in place). Returns True."""
+        forget_kv(self.scheduler, self.kv)
+        return True
+
+    @property
+    def weights_version(self) -> int:
+        """How many weight changes the engine has seen (each one dropped the KV computed before it)."""
+        return self._weights.version
+
+    def _check_weights(self, full: bool = True) -> None:
+        """Once per generate()/stream()/step() call: KV computed with older weights is never reused."""
+        if self._weights.changed(full=full):
+            forget_kv(self.scheduler, self.kv)
 
     # ---------------------------------------------------------------- inner
     def _exclusive(self, what: str):
@@ -303,6 +344,7 @@ class LLM:
         params.__post_init__()  # re-validate: fields may have been changed after construction
         text, ids = self._tokenize(prompt)
         self._validate_prompt(ids, params)
+        self._check_context(len(ids), params)
         rid = request_id if request_id is not None else self._next_id()
         if rid in self._groups:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -310,8 +352,15 @@ class LLM:
         cap = min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
         group = Group(rid, text, ids, params, RequestMetrics(time.perf_counter()), self.tokenizer,
                       max_total_tokens=cap)
-        group.new_seq(0, ids)  # everything that can fail happens here, before anything is queued
+        seq = group.new_seq(0, ids)  # everything that can fail happens here, before anything is queued
+        if params.structured_outputs is not None:
+            seq.grammar = self._grammar_engine().new_matcher(params.structured_outputs)
         return group
+
+    def _grammar_engine(self) -> GrammarEngine:
+        if self._grammar is None:
+            self._grammar = GrammarEngine(self.tokenizer, self.vocab_size, sorted(self.sampler.eos_token_ids))
+        return self._grammar
 
     def _next_id(self) -> str:
         """A fresh automatic request id (skipping any a caller chose with request_id=)."""
@@ -356,6 +405,16 @@ class LLM:
                              f"({need - self.kv.num_blocks} too many); give the LLM more KV memory "
                              "(num_blocks= or kv_cache_memory=) or shorten the prompt")
 
+    def _check_context(self, num_prompt: int, params: SamplingParams) -> None:
+        """Prompt + max_tokens beyond max_model_len: ValueError, or (opted in) a warning and a shorter output."""
+        problem = context_overflow(num_prompt, params.max_tokens, self.max_model_len)
+        if problem is None:
+            return
+        if not params.truncate_max_tokens:
+            raise ValueError(f"{problem}, or pass SamplingParams(truncate_max_tokens=True) to generate only what fits")
+        warnings.warn(f"{problem}; truncate_max_tokens=True: generating at most "
+                      f"{self.max_model_len - num_prompt} tokens", stacklevel=4)
+
     def _step(self) -> list[Group]:
         self.step_request_ids = ()
         if self._tp is not None:
@@ -373,8 +432,12 @@ class LLM:
             return []
         start = time.perf_counter()
         emitting = [c for c in schedule.chunks if c.emits]
-        logits = self._forward(schedule, emitting)
+        prompt_rows = prompt_logprobs.plan_rows(schedule.chunks)
+        logits = self._forward(schedule, emitting, prompt_rows.flat)
         try:
+            if prompt_rows:  # kept after the emitting chunks' rows
+                prompt_logprobs.record(prompt_rows, logits[len(emitting):])
+                logits = logits[:len(emitting)]
             touched = self._postprocess(emitting, logits)
         except BaseException:
             self._unsample()
@@ -412,7 +475,9 @@ class LLM:
             self.scheduler.rollback(schedule)
             raise
 
-    def _forward(self, schedule: Schedule, emitting: list[Chunk]) -> torch.Tensor:
+    def _forward(self, schedule: Schedule, emitting: list[Chunk], extra_rows: Sequence[int] = ()) -> torch.Tensor:
+        """Logits (len(emitting) + len(extra_rows), V): each emitting chunk's last row, then the packed
+        rows ``extra_rows`` (prompt logprobs)."""
         chunks = schedule.chunks
         ids: list[int] = []
         pos: list[int] = []
@@ -420,8 +485,10 @@ class LLM:
             ids.extend(c.token_ids)
             pos.extend(range(c.start, c.start + c.num_tokens))
         ends = list(itertools.accumulate(c.num_tokens for c in chunks))
-        keep = [e - 1 for c, e in zip(chunks, ends, strict=True) if c.emits]
-        compiled = self._compiled
+        keep = [e - 1 for c, e in zip(chunks, ends, strict=True) if c.emits] + list(extra_rows)
+        if self._states is not None:
+            return self._stateful_forward(schedule, keep)
+        compiled = self._compiled if not extra_rows else None
         try:
             self._ensure_patched()
             seq_ids = [c.seq.seq_id for c in chunks]
@@ -444,6 +511,24 @@ class LLM:
             c.seq.num_computed = c.start + c.num_tokens
         return logits
 
+    def _stateful_forward(self, schedule: Schedule, keep: list[int]) -> torch.Tensor:
+        """A model with recurrent layers: decodes as [B, 1] rows, other chunks alone (engine/states.py)."""
+        assert self._states is not None
+        try:
+            self._ensure_patched()
+            with torch.inference_mode():
+                logits = stateful_forward(self.model, self.kv, self._cache, self._cache_kwarg, self.device,
+                                          self._states, schedule.chunks, keep)
+        except BaseException:
+            self._cache.end_forward(ok=False)
+            self.scheduler.rollback(schedule)
+            # some forwards of the step may have advanced states: those sequences start over
+            restart_from_scratch([c.seq for c in schedule.chunks], self.kv, self._states)
+            raise
+        for c in schedule.chunks:
+            c.seq.num_computed = c.start + c.num_tokens
+        return logits
+
     def _ensure_patched(self) -> None:
         """Re-patch if someone unpatched the model (or switched its attention) since the last step."""
         if not is_patched(self.model) or self.model.config._attn_implementation != ATTN_NAME:
@@ -456,12 +541,14 @@ class LLM:
         for i, c in enumerate(emitting):
             seqs.append(c.seq)
             rows.append(i)
-            for child in self._fork_samples(c.seq):
+            for child in self._fork_samples(c.seq):  # (a constrained child forks its parent's matcher)
                 seqs.append(child)
                 rows.append(i)
         if not seqs:
             return []
         row_logits = logits if rows == list(range(len(emitting))) else logits[rows]
+        if self._grammar is not None:  # structured outputs: disallowed tokens to -inf in constrained rows
+            row_logits = self._grammar.apply(row_logits, seqs)
         tokens = self.sampler(row_logits, seqs)
         now = time.perf_counter()
         touched: dict[str, Group] = {}
@@ -477,6 +564,9 @@ class LLM:
         next step computes it again and samples (otherwise it would never be scheduled again)."""
         for seq in self.scheduler.running:
             if seq.in_cache and seq.num_computed and seq.remaining == 0:
+                if self._states is not None:  # its state already includes that token: recompute from scratch
+                    restart_from_scratch([seq], self.kv, self._states)
+                    continue
                 seq.num_computed -= 1
                 self.kv.truncate(seq.seq_id, seq.num_computed)
 
@@ -488,7 +578,11 @@ class LLM:
         for i in range(len(group.seqs), group.params.n):
             child = group.new_seq(i, seq.token_ids)
             try:
+                if seq.grammar is not None:
+                    child.grammar = seq.grammar.fork()
                 self.kv.fork(seq.seq_id, child.seq_id)
+                if self._states is not None:
+                    self._states.fork(seq.seq_id, child.seq_id)
                 child.in_cache = True
                 child.num_computed = seq.num_computed
                 self.scheduler.add_running_after(seq, child)
@@ -510,8 +604,10 @@ class LLM:
         may_stop = seq.num_output >= p.min_tokens
         if seq.detok is not None:
             seq.detok.update(seq.output_ids, check_stop=may_stop)
-        reason = None
-        if may_stop and ((token in self.sampler.eos_token_ids and not p.ignore_eos) or token in p.stop_ids):
+        reason = self._grammar.accept(seq, token) if seq.grammar is not None else None  # "stop": grammar done
+        if reason is not None:
+            pass
+        elif may_stop and ((token in self.sampler.eos_token_ids and not p.ignore_eos) or token in p.stop_ids):
             reason = "stop"
         elif seq.detok is not None and seq.detok.stopped:
             reason = "stop"
@@ -522,6 +618,8 @@ class LLM:
 
     def _finish_seq(self, seq: Seq, reason: str) -> None:
         self.scheduler.remove(seq)
+        if self._states is not None:
+            self._states.release(seq.seq_id)
         seq.mark_finished(reason)
         if seq.detok is not None:
             seq.detok.flush(seq.output_ids, check_stop=seq.num_output >= seq.group.params.min_tokens)

@@ -58,6 +58,11 @@ class RequestMetrics:
 class RequestOutput:
     """Result of one request. ``token_ids``/``text``/``finish_reason``/``logprobs`` mirror
     ``outputs[0]``; with ``n > 1`` every sample is in ``outputs``.
+
+    ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``): one entry per prompt token, None
+    for the first (nothing predicts it), else a :class:`TokenLogprob` of that prompt token given the
+    tokens before it (``top``: the ``prompt_logprobs`` most likely tokens there). Complete once the
+    prompt is computed (from the first output with a generated token on).
     """
 
     request_id: str
@@ -66,6 +71,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -6,6 +6,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from flashpage.engine.structured import StructuredOutputsParams, as_structured
+
 MAX_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily (as in vLLM)
 
@@ -30,8 +32,17 @@ class SamplingParams:
             int >= 0 (large ones such as ``time.time_ns()`` included: reduced modulo 2**63).
         logprobs: also return the log-probability of each chosen token and of the top
             ``logprobs`` tokens (log-softmax of the model's raw logits); None: off.
+        prompt_logprobs: also return, for every prompt position after the first, the
+            log-probability of the prompt's token there and of the top ``prompt_logprobs`` tokens
+            (``RequestOutput.prompt_logprobs``, as vLLM); None: off. Computed in the prefill; such a
+            request's prompt is computed in full (prefix-cache hits are not used for it).
+        truncate_max_tokens: when the prompt plus ``max_tokens`` exceed the model's context
+            (``LLM.max_model_len``), generate only what fits (with a warning) instead of raising
+            ValueError.
         n: independent samples of the same prompt (the prompt's blocks are shared, not recomputed).
         skip_special_tokens: leave special tokens out of ``text``.
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
+            (a :class:`StructuredOutputsParams` or a dict of its fields; README "Structured outputs").
     """
 
     max_tokens: int = 16
@@ -48,8 +59,11 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
+    truncate_max_tokens: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
     _stop_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
 
@@ -58,6 +72,7 @@ class SamplingParams:
         self._check_floats()
         self._stop = self._check_stop(self.stop)
         self._stop_ids = self._check_stop_ids(self.stop_token_ids)
+        self.structured_outputs = as_structured(self.structured_outputs)
 
     # ------------------------------------------------------------- validation
     def _check_ints(self) -> None:
@@ -69,10 +84,12 @@ class SamplingParams:
         _int_at_least("n", self.n, 1)
         if self.seed is not None:
             _int_at_least("seed", self.seed, 0)
-        if self.logprobs is not None:
-            _int_at_least("logprobs", self.logprobs, 0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"SamplingParams.logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}] (or None)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _int_at_least(name, value, 0)
+                if value > MAX_LOGPROBS:
+                    raise ValueError(f"SamplingParams.{name}={value} must be in [0, {MAX_LOGPROBS}] (or None)")
 
     def _check_floats(self) -> None:
         _float_in("temperature", self.temperature, 0.0, math.inf, "[0, inf); 0 means greedy")

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from flashpage.cache import PagedKVCache
+from flashpage.engine import prompt_logprobs
 from flashpage.engine.sequence import Seq, SeqStatus
 
 
@@ -180,7 +181,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.in_cache:
-                cached = self.kv.add_sequence(seq.seq_id, seq.token_ids)
+                # a request still owed prompt logprobs computes its whole prompt: no prefix hits
+                cached = self.kv.add_sequence(seq.seq_id,
+                                              None if prompt_logprobs.pending(seq) else seq.token_ids)
                 seq.in_cache = True
                 seq.num_computed = cached
                 if seq.num_output == 0:

@@ -44,6 +44,7 @@ class Seq:
     streamed_tokens: int = 0
     final_streamed: bool = False
     in_cache: bool = False
+    grammar: Any = None  # structured outputs: this sample's SeqGrammar (flashpage.engine.structured)
     _generator: torch.Generator | None = field(default=None, repr=False)
 
     def generator(self, device: torch.device) -> torch.Generator | None:
@@ -103,6 +104,12 @@ class Group:
     streamed: bool = False
     max_total_tokens: int = 0  # model positions cap (prompt + output)
     num_finished: int = 0  # samples finished so far (kept by Seq.mark_finished)
+    # SamplingParams.prompt_logprobs: entry i for prompt token i, recorded in order (see prompt_logprobs.py)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob
 
     @property
     def finished(self) -> bool:
@@ -121,8 +128,9 @@ class Group:
         outputs = [CompletionOutput(s.index, s.output_ids, _text(s), s.finish_reason,
                                     list(s.logprobs) if s.logprobs is not None else None)
                    for s in sorted(self.seqs, key=lambda s: s.index)]
+        prompt_lps = list(self.prompt_logprobs) if self.prompt_logprobs is not None else None
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs,
-                             self.finished, self.metrics)
+                             self.finished, self.metrics, prompt_lps)
 
 
 SEED_MODULUS = 1 << 63  # torch.Generator.manual_seed takes a signed 64-bit value

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from flashpage.cache import LayerGeometry
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB
 
@@ -16,10 +18,14 @@ class KVSizing:
     """Geometry and size of a KV pool.
 
     Attributes:
-        num_layers / num_kv_heads / head_dim / v_head_dim / dtype: page geometry per layer.
+        num_layers / num_kv_heads / head_dim / v_head_dim / dtype: page geometry (of the first layer
+            that stores K/V when layers differ; ``layer_geometry`` has every layer's).
         layer_devices: device of each layer's pages (its attention's device).
         block_size / num_blocks: page size and count.
-        bytes_per_token: K+V bytes of one token over all layers.
+        bytes_per_token: K+V bytes of one token over all layers (every geometry group).
+        layer_geometry: (Hk, D, Dv) per layer; None for a layer that stores no K/V (a reader of another
+            layer's K/V, a layer without attention). Layers of one geometry share a page pool.
+        shared_layers: ``{reader: owner}`` layers that read another layer's pages.
     """
 
     num_layers: int
@@ -31,14 +37,45 @@ class KVSizing:
     block_size: int
     num_blocks: int
     bytes_per_token: int
+    layer_geometry: tuple[LayerGeometry | None, ...] = ()
+    shared_layers: dict[int, int] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
         return self.num_blocks * self.block_size * self.bytes_per_token
 
+    @property
+    def num_groups(self) -> int:
+        """Page pools (distinct K/V geometries)."""
+        return len({g for g in self.layer_geometry if g is not None})
 
-def probe_geometry(model: Any) -> tuple[int, int, int, int, torch.dtype, list[torch.device]]:
-    """Run the (patched) model on one token to learn its KV heads, dims, dtype and layer devices."""
+
+@dataclass(frozen=True)
+class ProbedGeometry:
+    """What a one-token forward showed of a model's K/V: per-layer geometry, dtype and devices."""
+
+    layer_geometry: tuple[LayerGeometry | None, ...]
+    dtype: torch.dtype
+    layer_devices: list[torch.device]
+    shared_layers: dict[int, int]
+
+    @property
+    def first(self) -> LayerGeometry:
+        """The first layer that stores K/V (what a single-geometry pool would use)."""
+        stored = [g for g in self.layer_geometry if g is not None]
+        if not stored:
+            raise ValueError("flashpage.LLM: the model stored no K/V in a one-token forward (no attention layer "
+                             "went through flashpage's cache); it cannot be served by the paged engine")
+        return stored[0]
+
+    def bytes_per_token(self) -> int:
+        return sum(g.bytes_per_token(self.dtype) for g in self.layer_geometry if g is not None)
+
+
+def probe_geometry(model: Any) -> ProbedGeometry:
+    """Run the (patched) model on one token to learn each layer's KV heads and dims, the dtype and
+    the layer devices. Layers whose K/V differ (Gemma 4's global vs sliding layers) each report
+    their own; layers reading another layer's K/V report None."""
     from flashpage.patches import HFPagedCache
 
     cache = HFPagedCache(model.config, num_blocks=1, block_size=1, growable=False)
@@ -48,7 +85,8 @@ def probe_geometry(model: Any) -> tuple[int, int, int, int, torch.dtype, list[to
         model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True, **{kwarg: cache})
     kv = cache.kv
     devices = [kv.layer_device(i) or device for i in range(kv.num_layers)]
-    return kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.v_head_dim, kv.dtype, devices
+    geometry = tuple(kv.layer_geometry(i) for i in range(kv.num_layers))
+    return ProbedGeometry(geometry, kv.dtype, devices, kv.shared_layers)
 
 
 def plan_kv_pool(model: Any, device: torch.device, block_size: int, *, num_blocks: int | None,
@@ -59,11 +97,12 @@ def plan_kv_pool(model: Any, device: torch.device, block_size: int, *, num_block
     The budget is ``kv_cache_memory`` when given; on CUDA a fraction of free memory otherwise;
     and on CPU what ``max_num_seqs`` sequences of ``max_model_len`` tokens need, capped at 1 GiB
     (a 4M-parameter model does not get a 1 GiB pool). A ``kv_cache_memory`` smaller than one
-    block is an error (it is in bytes, not GiB).
+    block is an error (it is in bytes, not GiB). A block's bytes count every layer's own geometry.
     """
     _check_utilization(gpu_memory_utilization)
-    layers, heads, dim, vdim, dtype, devices = probe_geometry(model)
-    per_token = layers * heads * (dim + vdim) * torch.empty((), dtype=dtype).element_size()
+    probed = probe_geometry(model)
+    first = probed.first
+    per_token = probed.bytes_per_token()
     block_bytes = per_token * block_size
     if num_blocks is None:
         if kv_cache_memory is not None:
@@ -76,7 +115,9 @@ def plan_kv_pool(model: Any, device: torch.device, block_size: int, *, num_block
         num_blocks = max(1, budget // block_bytes)
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    return KVSizing(layers, heads, dim, vdim, dtype, devices, block_size, int(num_blocks), per_token)
+    return KVSizing(len(probed.layer_geometry), first.num_kv_heads, first.head_dim, first.v_head_dim, probed.dtype,
+                    probed.layer_devices, block_size, int(num_blocks), per_token, probed.layer_geometry,
+                    probed.shared_layers)
 
 
 def default_cpu_budget(bytes_per_token: int, block_size: int, max_model_len: int | None, max_num_seqs: int) -> int:

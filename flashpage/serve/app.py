@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from flashpage.engine import RequestOutput, SamplingParams
 from flashpage.serve import protocol as P
 from flashpage.serve import responses as R
+from flashpage.serve import structured as S
 from flashpage.serve.async_engine import (
     AsyncLLM,
     EngineClosedError,
@@ -140,7 +141,9 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         req = P.parse(P.CompletionRequest, await request.body())
         P.check_completion(req)
         _check_model(state, req.model)
-        params = P.sampling_params(req, P.completion_max_tokens(req), P.completion_logprobs(req))
+        structured = S.structured_from(req.response_format, req.structured_outputs)
+        params = P.sampling_params(req, P.completion_max_tokens(req), P.completion_logprobs(req),
+                                   structured=structured)
         prompts = P.completion_prompts(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await _submit(state, prompts, params, rid, "prompt")
@@ -160,19 +163,22 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         req = P.parse(P.ChatRequest, await request.body())
         P.check_chat(req)
         _check_model(state, req.model)
-        ids = _chat_prompt(state, req)
+        tools = S.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+        structured = _chat_structured(req, tools)
+        ids = _chat_prompt(state, req, tools)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = limit if limit is not None else max(1, state.max_model_len - len(ids))
-        params = P.sampling_params(req, max_tokens, P.chat_logprobs(req), renames={"logprobs": "top_logprobs"})
+        params = P.sampling_params(req, max_tokens, P.chat_logprobs(req), renames={"logprobs": "top_logprobs"},
+                                   structured=structured)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _submit(state, [ids], params, rid, "messages")
-        job = _Job(state, rid, "chat.completion", params, streams, req.stream_options)
+        job = _Job(state, rid, "chat.completion", params, streams, req.stream_options, tools=tools)
         if req.stream:
             return _sse(job.chat_events())
         outs = await _collect(request, state, streams)
         if outs is None:
             return Response(status_code=CLIENT_CLOSED)
-        choices = [R.chat_choice(c.index, c, state.token_text) for c in outs[0].outputs]
+        choices = [_with_tools(R.chat_choice(c.index, c, state.token_text), tools) for c in outs[0].outputs]
         return JSONResponse({**job.header(), "choices": choices, "usage": R.usage(outs)})
 
 
@@ -188,7 +194,24 @@ def _echo_text(state: ServerState, prompt: str | list[int]) -> str:
     return state.tokenizer.decode(prompt, skip_special_tokens=False) if state.tokenizer is not None else ""
 
 
-def _chat_prompt(state: ServerState, req: P.ChatRequest) -> list[int]:
+def _chat_structured(req: P.ChatRequest, tools: S.ToolPlan) -> Any:
+    """The chat request's constraint: a forced tool call's schema, else response_format / structured_outputs."""
+    forced = S.tool_constraint(tools)
+    if forced is not None and (req.response_format or req.structured_outputs):
+        raise P.APIError(f"tool_choice {tools.mode!r} forces the output's format: give no 'response_format' "
+                         "or 'structured_outputs' with it", param="tool_choice")
+    return forced or S.structured_from(req.response_format, req.structured_outputs)
+
+
+def _with_tools(choice: dict[str, Any], tools: S.ToolPlan) -> dict[str, Any]:
+    """A chat choice with its text as tool calls where the tool plan makes it one."""
+    if tools.mode == "none":
+        return choice
+    message, reason = S.tool_message(choice["message"]["content"], choice["finish_reason"], tools)
+    return {**choice, "message": message, "finish_reason": reason}
+
+
+def _chat_prompt(state: ServerState, req: P.ChatRequest, tools: S.ToolPlan | None = None) -> list[int]:
     tok = state.tokenizer
     if tok is None:
         raise P.APIError("this model has no tokenizer, so chat is unavailable; use /v1/completions with token ids",
@@ -197,10 +220,11 @@ def _chat_prompt(state: ServerState, req: P.ChatRequest) -> list[int]:
     if not template:
         raise P.APIError("the model's tokenizer has no chat template; use /v1/completions, or start the server "
                          "with --chat-template FILE", param="messages")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = S.template_messages(req.messages)
+    extra = {"tools": [{"type": "function", "function": t} for t in tools.tools]} if tools and tools.tools else {}
     try:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                                       chat_template=template)
+                                       chat_template=template, **extra)
     except Exception as exc:  # the template refused these messages (e.g. roles out of order)
         raise P.APIError(f"the chat template rejected the messages: {exc}", param="messages") from None
     return list(tok(text, add_special_tokens=False)["input_ids"])
@@ -295,6 +319,7 @@ class _Job:
     stream_options: P.StreamOptions | None
     created: int = field(default_factory=lambda: int(time.time()))
     latest: dict[int, RequestOutput] = field(default_factory=dict)  # newest output per prompt
+    tools: S.ToolPlan | None = None  # chat: how the output may become tool calls
 
     def header(self, chunk: bool = False) -> dict[str, Any]:
         kind = self.kind + (".chunk" if chunk and self.kind == "chat.completion" else "")
@@ -382,13 +407,22 @@ class _Job:
             yield self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                "finish_reason": None}])
         cursors: dict[int, R.SampleCursor] = {}
+        tool_streams: dict[int, S.ToolStream] = {}
         final: RequestOutput | None = None
         async for _, out in self.outputs():
             for c in out.outputs:
                 cursor = cursors.setdefault(c.index, R.SampleCursor(self.params.stop_strings))
                 delta = cursor.advance(c)
-                if delta is not None:
-                    yield self.chunk([R.chat_chunk_choice(c.index, delta, self.state.token_text)])
+                if delta is None:
+                    continue
+                choice = R.chat_chunk_choice(c.index, delta, self.state.token_text)
+                if self.tools is not None and (self.tools.mode == "named" or self.tools.buffered):
+                    ts = tool_streams.setdefault(c.index, S.ToolStream(self.tools))
+                    body = ts.delta(delta.text, delta.finish_reason)
+                    if body is None:
+                        continue
+                    choice = {**choice, "delta": body[0], "finish_reason": body[1]}
+                yield self.chunk([choice])
             if out.finished:
                 final = out
         if self.include_usage and final is not None:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flashpage.engine import SamplingParams
+from flashpage.engine import SamplingParams, StructuredOutputsParams
 
 
 @dataclass
@@ -63,6 +63,9 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs (flashpage.serve.structured): OpenAI's response_format, vLLM's structured_outputs
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -83,6 +86,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (rendered by the template)
+    tool_call_id: str | None = None  # a tool result's call
 
     def text(self) -> str:
         if self.content is None:
@@ -100,7 +105,7 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
 
@@ -149,7 +154,8 @@ def check_common(req: _Sampling) -> None:
 
 
 def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
-                    renames: dict[str, str] | None = None) -> SamplingParams:
+                    renames: dict[str, str] | None = None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams for ``req``; out-of-range values raise APIError naming the request field
     (``renames``: SamplingParams field -> request field, where they differ)."""
     fields = {
@@ -159,7 +165,7 @@ def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
         "min_p": req.min_p, "repetition_penalty": req.repetition_penalty,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
         "stop": req.stop, "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
-        "logprobs": logprobs, "skip_special_tokens": req.skip_special_tokens,
+        "logprobs": logprobs, "skip_special_tokens": req.skip_special_tokens, "structured_outputs": structured,
     }
     try:
         return SamplingParams(**fields)
@@ -227,11 +233,5 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 def check_chat(req: ChatRequest) -> None:
     check_common(req)
-    if req.tools:
-        raise APIError("'tools' are not supported by flashpage", param="tools")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise APIError(f"response_format type {fmt!r} is not supported by flashpage (only 'text')",
-                       param="response_format")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise APIError("give 'max_tokens' or 'max_completion_tokens', not both", param="max_completion_tokens")

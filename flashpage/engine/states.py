@@ -1,0 +1,245 @@
+"""Per-sequence recurrent-state slots for hybrid models in the engine, and the step layout they need.
+
+Linear-attention / SSM layers (Qwen3-Next's gated delta net, Mamba mixers, LFM2's short convs, ...)
+carry a fixed-size state per sequence instead of per-token K/V. transformers' recurrent layers
+treat every batch row as one sequence, so a model with such layers cannot run the engine's packed
+``[1, T]`` row of many sequences. Here:
+
+- :class:`StateSlots` owns one pool tensor ``[n_slots, *state_shape]`` per (layer, kind, index)
+  state; a sequence gets a slot when its first chunk is computed, a forked sample copies its
+  parent's slot, and a slot is released once its sequence has left the KV cache (finished,
+  aborted, preempted). A sequence recomputed from its first token starts from a fresh state, so
+  preemption by recompute is exact.
+- :func:`stateful_forward` runs one engine step as: all decodes (one token, with a previous state)
+  together as ``[B, 1]`` rows, their states gathered from the slots to ``[B, ...]`` and scattered back;
+  every other chunk (a prompt, a chunk of one, a recompute) alone as ``[1, n]``.
+
+Nothing here imports transformers: the cache object hands states over as plain tensors
+(``read_states`` / ``load_states``, see ``flashpage.patches.hf_cache.HFPagedCache``).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flashpage.plan import InputLayout
+
+StateKey = Hashable  # (layer index, "conv" | "recurrent", state index)
+INITIAL_SLOTS = 8
+
+
+@dataclass
+class StateSlots:
+    """Recurrent states of every live sequence: one pool ``[capacity, *shape]`` per state key.
+
+    Pools are created at the first :meth:`scatter` (shapes and dtypes come from the model) and
+    doubled when more sequences are live than slots.
+
+    Attributes:
+        pools: state key -> ``(capacity, *state_shape)`` tensor.
+        previous: the layers' has-previous-state flags after a forward (the same for every sequence).
+        slot_of: sequence id -> slot row.
+    """
+
+    capacity: int = INITIAL_SLOTS
+    pools: dict[StateKey, torch.Tensor] = field(default_factory=dict)
+    previous: dict[Hashable, bool] = field(default_factory=dict)
+    slot_of: dict[Hashable, int] = field(default_factory=dict)
+    free_slots: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.free_slots = list(range(self.capacity - 1, -1, -1))
+
+    # ------------------------------------------------------------- lifecycle
+    def slot(self, seq_id: Hashable) -> int:
+        """The slot of ``seq_id``, allocated (growing the pools) if it has none."""
+        if seq_id in self.slot_of:
+            return self.slot_of[seq_id]
+        if not self.free_slots:
+            self._grow(2 * self.capacity)
+        slot = self.free_slots.pop()
+        self.slot_of[seq_id] = slot
+        return slot
+
+    def release(self, seq_id: Hashable) -> None:
+        """Give back ``seq_id``'s slot (no-op without one)."""
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+
+    def release_unless(self, alive: Callable[[Hashable], bool]) -> None:
+        """Release the slots of sequences for which ``alive(seq_id)`` is False."""
+        for seq_id in [s for s in self.slot_of if not alive(s)]:
+            self.release(seq_id)
+
+    def fork(self, src: Hashable, dst: Hashable) -> None:
+        """``dst`` continues from ``src``'s current state (a copy: they diverge from here)."""
+        if src not in self.slot_of:
+            return
+        with torch.inference_mode():  # the pools are made inside the engine's inference-mode forward
+            a, b = self.slot_of[src], self.slot(dst)
+            for pool in self.pools.values():
+                pool[b].copy_(pool[a])
+
+    # -------------------------------------------------------------- transfer
+    def gather(self, seq_ids: Sequence[Hashable]) -> dict[StateKey, torch.Tensor]:
+        """``{key: (len(seq_ids), *shape)}``: copies of the sequences' states, in order."""
+        if not self.pools:
+            return {}
+        index = self._index(seq_ids)
+        return {key: pool.index_select(0, index.to(pool.device)) for key, pool in self.pools.items()}
+
+    def scatter(self, seq_ids: Sequence[Hashable], states: dict[StateKey, torch.Tensor],
+                previous: dict[Hashable, bool]) -> None:
+        """Store ``states`` (each ``(len(seq_ids), *shape)``) as the sequences' current states."""
+        for seq_id in seq_ids:
+            self.slot(seq_id)
+        for key, value in states.items():
+            pool = self.pools.get(key)
+            if pool is None:
+                pool = self.pools[key] = value.new_zeros((self.capacity, *value.shape[1:]))
+            elif pool.shape[1:] != value.shape[1:] or pool.dtype != value.dtype:
+                raise RuntimeError(
+                    f"state {key} of this forward has shape {tuple(value.shape[1:])} / {value.dtype} per sequence, "
+                    f"but earlier forwards gave {tuple(pool.shape[1:])} / {pool.dtype}: this model's recurrent "
+                    "state is not of fixed size, which the engine's state slots need")
+            pool.index_copy_(0, self._index(seq_ids).to(pool.device), value)
+        self.previous.update(previous)
+
+    # -------------------------------------------------------------- reporting
+    def bytes_per_sequence(self) -> int:
+        """State bytes one sequence holds (all state layers); 0 before the first forward."""
+        return sum(p[0].numel() * p.element_size() for p in self.pools.values())
+
+    def allocated_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.pools.values())
+
+    # ----------------------------------------------------------------- inner
+    def _index(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
+        return torch.tensor([self.slot_of[s] for s in seq_ids], dtype=torch.long)
+
+    def _grow(self, capacity: int) -> None:
+        for key, pool in self.pools.items():
+            bigger = pool.new_zeros((capacity, *pool.shape[1:]))
+            bigger[: self.capacity].copy_(pool)
+            self.pools[key] = bigger
+        self.free_slots.extend(range(capacity - 1, self.capacity - 1, -1))
+        self.capacity = capacity
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """One forward of a stateful step: its chunks (``[rows, length]`` input) and packed offsets."""
+
+    chunks: tuple[Any, ...]
+    offsets: tuple[int, ...]  # packed index of each chunk's first token
+    fresh: bool  # the chunks start their sequences (no previous state)
+
+
+def recurrent_states_of(model: Any, cache: Any) -> StateSlots | None:
+    """State slots for a model whose cache has recurrent layers (None when it has none).
+
+    Raises:
+        TypeError: a pure state-space model (no attention layer at all): nothing for the paged engine
+            to page; ``flashpage.patch(model)`` + ``model.generate()`` runs it exactly.
+    """
+    if not cache.has_states:
+        return None
+    if len(cache.state_layers) == cache.num_layers and not any(
+            hasattr(layer, "_parent") for layer in cache.layers):
+        name = getattr(model.config, "model_type", type(model).__name__)
+        raise TypeError(
+            f"flashpage.LLM does not serve {type(model).__name__} (model_type={name!r}): it is a pure state-space "
+            "model with no attention layer, so there is no K/V for the paged engine to hold. "
+            "flashpage.patch(model) + model.generate() runs it exactly (state-only cache), or use it unpatched.")
+    return StateSlots()
+
+
+def restart_from_scratch(seqs: Sequence[Any], kv: Any, slots: StateSlots) -> None:
+    """These sequences' states cannot be rolled back: recompute them from their first token
+    (their K/V are dropped too, so pages and states agree)."""
+    for seq in seqs:
+        if seq.in_cache and kv.has_sequence(seq.seq_id):
+            kv.truncate(seq.seq_id, 0, invalidate=True)
+        seq.num_computed = 0
+        slots.release(seq.seq_id)
+
+
+def split_forwards(chunks: Sequence[Any]) -> list[_Forward]:
+    """Decodes of sequences with a state together; every other chunk alone (in schedule order)."""
+    offsets = [0]
+    for c in chunks:
+        offsets.append(offsets[-1] + c.num_tokens)
+    decodes = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and c.start > 0]
+    out = []
+    if decodes:
+        out.append(_Forward(tuple(chunks[i] for i in decodes), tuple(offsets[i] for i in decodes), False))
+    taken = set(decodes)
+    for i, c in enumerate(chunks):
+        if i not in taken:
+            out.append(_Forward((c,), (offsets[i],), c.start == 0))
+    return out
+
+
+def stateful_forward(model: Any, kv: Any, cache: Any, cache_kwarg: str, device: torch.device, slots: StateSlots,
+                     chunks: Sequence[Any], keep: Sequence[int]) -> torch.Tensor:
+    """Run one engine step on a model with recurrent layers (see the module docstring).
+
+    Args:
+        kv: the engine's PagedKVCache (slots of every chunk already allocated by the scheduler).
+        cache: the engine's HFPagedCache over ``kv`` (has ``read_states`` / ``load_states``).
+        chunks: the step's chunks (``seq``, ``start``, ``num_tokens``, ``token_ids``).
+        keep: packed row indices whose logits are wanted (as the packed ``[1, T]`` forward numbers
+            the step's tokens, chunk after chunk).
+
+    Returns:
+        (len(keep), V) logits, row ``i`` for packed position ``keep[i]``.
+    """
+    slots.release_unless(kv.has_sequence)
+    ends = [0]
+    for c in chunks:
+        ends.append(ends[-1] + c.num_tokens)
+    rows: list[torch.Tensor | None] = [None] * len(keep)
+    for fwd in split_forwards(chunks):
+        wanted = _wanted(fwd, keep, ends, chunks)
+        positions = sorted({t for _, _, t in wanted})
+        logits = _run(model, kv, cache, cache_kwarg, device, slots, fwd, positions)  # runs even if none are kept
+        for i, b, t in wanted:
+            rows[i] = logits[b, positions.index(t)]
+    return torch.stack(rows) if rows else torch.empty((0, 0), device=device)
+
+
+def _wanted(fwd: _Forward, keep: Sequence[int], ends: Sequence[int], chunks: Sequence[Any]
+            ) -> list[tuple[int, int, int]]:
+    """(output row, input row, position in the row) of each kept packed index this forward computes."""
+    out = []
+    for i, packed in enumerate(keep):
+        chunk = chunks[bisect.bisect_right(ends, packed) - 1]
+        for b, c in enumerate(fwd.chunks):
+            if c is chunk:
+                out.append((i, b, packed - fwd.offsets[b]))
+    return out
+
+
+def _run(model: Any, kv: Any, cache: Any, cache_kwarg: str, device: torch.device, slots: StateSlots,
+         fwd: _Forward, positions: list[int]) -> torch.Tensor:
+    """One forward of ``fwd``'s chunks as ``[rows, length]``; states in from and back to the slots.
+    Returns (rows, len(positions), V) logits (positions: indices into the row; at least one)."""
+    seq_ids = [c.seq.seq_id for c in fwd.chunks]
+    rows, length = len(fwd.chunks), fwd.chunks[0].num_tokens
+    cache.load_states(None if fwd.fresh else slots.gather(seq_ids), slots.previous)
+    plan = kv.plan(seq_ids, [c.num_tokens for c in fwd.chunks], allocated=True, layout=InputLayout(rows, length))
+    cache.set_plan(plan, device)
+    ids = torch.tensor([c.token_ids for c in fwd.chunks], device=device)
+    pos = torch.tensor([list(range(c.start, c.start + c.num_tokens)) for c in fwd.chunks], device=device)
+    keep = torch.tensor(positions or [length - 1], dtype=torch.long, device=device)
+    logits = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=keep,
+                   **{cache_kwarg: cache}).logits
+    states, previous = cache.read_states()
+    slots.scatter(seq_ids, states, previous)
+    return logits

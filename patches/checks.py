@@ -31,6 +31,7 @@ import torch
 
 from flashpage.patches import attention
 from flashpage.patches.compat import cache_kwarg
+from flashpage.patches.geometry import shared_kv_layers
 from flashpage.patches.hf_cache import HFPagedCache
 
 # attention-call keyword arguments flashpage honours, or that do not change the result
@@ -130,7 +131,7 @@ class _Recorder:
                  kwargs: dict[str, Any]) -> bool | None:
         layer = getattr(module, "layer_idx", None)
         cache = self.state.active_cache
-        if isinstance(layer, int) and layer < 0 and cache is not None:  # a module shared by several layers
+        if (layer is None or layer < 0) and cache is not None:  # a module shared by several layers
             layer = cache.last_written  # (Zamba2's attention block): the layer whose K/V update() just wrote
         given = self.returned.get(layer) if isinstance(layer, int) else None
         own = None if given is None else _same(given[0], key) and _same(given[1], value)
@@ -155,6 +156,12 @@ def _mask_causal(mask: Any) -> bool | None:
     if torch.equal(square, lower):
         return True
     return False if bool(square.all()) else None
+
+
+def _state_written(layer: Any) -> bool:
+    """Whether a cache state layer received a conv or recurrent state."""
+    flags = [getattr(layer, name, {}) for name in ("is_conv_states_initialized", "is_recurrent_states_initialized")]
+    return any(any(f.values()) if isinstance(f, dict) else bool(f) for f in flags)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -300,8 +307,7 @@ def probe(model: torch.nn.Module, state: Any) -> ProbeReport:
         rec.report.error = exc
     finally:
         rec.report.state_layers = list(getattr(cache, "state_layers", []))
-        rec.report.state_layers_used = [i for i in rec.report.state_layers
-                                        if getattr(cache.layers[i], "is_initialized", False)]
+        rec.report.state_layers_used = [i for i in rec.report.state_layers if _state_written(cache.layers[i])]
         cache.reset()
     return rec.report
 
@@ -342,7 +348,7 @@ def check_attention_has_own_kv(report: ProbeReport, config: Any, family: Any) ->
         if call.layer is None:
             return (f"its attention module {call.module} has no layer_idx, so flashpage cannot tell which pages "
                     "it reads")
-        if call.own_kv is None:
+        if call.own_kv is None and call.layer not in shared_kv_layers(config):  # readers attend the owner's pages
             return (f"layer {call.layer}'s attention ({call.module}) reads K/V that it did not store through the "
                     "cache in this forward (cross-attention, or K/V shared from another layer)")
     return None
@@ -451,7 +457,7 @@ def _short(text: str, limit: int = 200) -> str:
 
 
 # ----------------------------------------------------------------------------- engine checks
-# What flashpage.LLM needs beyond patch(): one page shape for all layers, positions and logits it can
+# What flashpage.LLM needs beyond patch(): positions and logits it can
 # choose for a packed batch of many sequences, per-sequence state only in the pages, and no
 # generation_config processor it does not apply. One function per reason (work that makes a case
 # exact in the engine removes or relaxes exactly that function).
@@ -462,16 +468,6 @@ GENERATION_PROCESSORS = ("forced_eos_token_id", "forced_bos_token_id", "suppress
                          "forced_decoder_ids")
 
 
-def check_uniform_kv_geometry(model: torch.nn.Module, report: ProbeReport) -> str | None:
-    """The engine's pool has one page shape: every layer must store K/V of the same (heads, dims)."""
-    shapes = set(report.kv_shapes.values())
-    if len(shapes) > 1:
-        per_layer = ", ".join(f"{layer}: {shape}" for layer, shape in sorted(report.kv_shapes.items()))
-        return (f"its layers store K/V of different shapes (KV heads, key dim, value dim) per layer ({per_layer}), "
-                "and the engine's page pool has one shape for all layers")
-    return None
-
-
 def _forward_parameters(module: Any) -> set[str]:
     import inspect
 
@@ -480,6 +476,8 @@ def _forward_parameters(module: Any) -> set[str]:
 
 def check_explicit_positions(model: torch.nn.Module, report: ProbeReport) -> str | None:
     """The engine runs many sequences in one packed row and passes each token's position_ids."""
+    if not report.kv_shapes:  # no attention layer (a pure state-space model): no positions to give
+        return None
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if "position_ids" not in _forward_parameters(model) | _forward_parameters(decoder):
         return ("its forward takes no position_ids (it derives positions from the cache length), and the engine "
@@ -514,8 +512,8 @@ def check_recurrent_state_in_cache(model: torch.nn.Module, report: ProbeReport) 
     return None
 
 
-ENGINE_CHECKS: list[EngineCheck] = [check_uniform_kv_geometry, check_explicit_positions, check_logits_to_keep,
-                                    check_generation_processors, check_recurrent_state_in_cache]
+ENGINE_CHECKS: list[EngineCheck] = [check_explicit_positions, check_logits_to_keep, check_generation_processors,
+                                    check_recurrent_state_in_cache]
 
 
 def engine_refusal_reason(model: torch.nn.Module, report: ProbeReport | None) -> str | None:

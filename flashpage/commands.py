@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+TINY_MODEL_NAME = "flashpage-tiny"  # the built-in model's name (what `flashpage serve` calls it)
+
 
 def load_model(name: str | None, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """(model, tokenizer) from a path / hub id, or the built-in tiny model when ``name`` is None."""
@@ -16,9 +18,13 @@ def load_model(name: str | None, dtype: torch.dtype = torch.float32) -> tuple[An
 
     from flashpage.tiny import load_tiny_model
 
-    if name is None:
+    local = Path(name).expanduser() if name is not None else None
+    if name is None or name == TINY_MODEL_NAME:  # the name `flashpage serve` serves it under
         model, tokenizer = load_tiny_model(dtype)
-    elif name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
+    elif local is not None and local.is_file():
+        raise OSError(f"--model {name}: that is a file, not a model; give the checkpoint directory that holds "
+                      f"config.json and the weights (e.g. --model {local.parent}) or a hub id")
+    elif name.startswith((".", "/", "~")) and not local.is_dir():
         raise OSError(f"--model {name}: no such directory; give a local checkpoint directory or a hub id "
                       "(omit --model for the built-in tiny model)")
     else:

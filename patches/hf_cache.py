@@ -21,7 +21,7 @@ keeps its states. Pure state-space models (Mamba, Mamba-2, Falcon-Mamba) hold no
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flashpage.cache import DeviceStep, InputLayout, KVGroup, PagedKVCache, StepPlan, default_block_size
 from flashpage.errors import check_positive_ints
-from flashpage.patches.compat import legacy_crop
+from flashpage.patches.compat import legacy_crop, require_supported_transformers
 from flashpage.patches.geometry import shared_kv_layers
 
 
@@ -150,8 +150,10 @@ def cache_layer_types(config, num_layers: int) -> tuple[list[str], list[dict]]:
         types, kwargs = get_types(text_config)
     except (AttributeError, TypeError, ValueError):
         return plain
-    types, kwargs = list(types), list(kwargs)
-    if len(types) != num_layers:
+    types = list(types)
+    # one kwargs dict per layer (5.20+), or one dict shared by every layer (5.17-5.19)
+    kwargs = [dict(kwargs) for _ in types] if isinstance(kwargs, Mapping) else list(kwargs)
+    if len(types) != num_layers or len(kwargs) != num_layers:
         return plain
     return types, kwargs
 
@@ -201,6 +203,7 @@ class HFPagedCache(Cache):
         growable: bool = True,
         dense_view: bool = False,
     ) -> None:
+        require_supported_transformers()  # transformers 4.x would accept this object and fail later, obscurely
         sizes = {"num_blocks": num_blocks, "block_size": block_size, "max_cache_len": max_cache_len}
         check_positive_ints("HFPagedCache: ", {k: v for k, v in sizes.items() if v is not None},
                             "a positive int or None (the default)")

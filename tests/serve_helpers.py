@@ -18,12 +18,15 @@ MODEL = "flashpage-tiny"
 
 
 @contextmanager
-def tiny_server(max_waiting_requests: int = 512, **llm_kwargs: Any) -> Iterator[tuple[ServerThread, AsyncLLM]]:
-    """A server of the built-in model on 127.0.0.1 (free port), shut down (engine included) on exit."""
+def tiny_server(max_waiting_requests: int = 512, app_kwargs: dict[str, Any] | None = None, tokenizer: Any = None,
+                **llm_kwargs: Any) -> Iterator[tuple[ServerThread, AsyncLLM]]:
+    """A server of the built-in model on 127.0.0.1 (free port), shut down (engine included) on exit.
+    ``app_kwargs`` go to ``build_app``; ``tokenizer`` replaces the model's."""
     model, tok = load_tiny_model()
-    engine = AsyncLLM(LLM(model, tok, check_invariants=True, **llm_kwargs), max_waiting_requests=max_waiting_requests)
+    engine = AsyncLLM(LLM(model, tokenizer or tok, check_invariants=True, **llm_kwargs),
+                      max_waiting_requests=max_waiting_requests)
     try:
-        with ServerThread(build_app(engine, MODEL)) as server:
+        with ServerThread(build_app(engine, MODEL, **(app_kwargs or {}))) as server:
             yield server, engine
     finally:
         engine.close()

@@ -250,3 +250,161 @@ def test_bad_values_exit_2_with_a_message(capsys: pytest.CaptureFixture[str], ar
     assert main(list(argv)) == 2
     err = capsys.readouterr().err
     assert f"flashpage {argv[0]}: error:" in err and words in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ refused before any work (issue 21)
+@pytest.fixture
+def transformers_4(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Pretend transformers 4.57.6 is installed (the version flashpage detects, nothing else)."""
+    from flashpage.patches import compat
+
+    real = compat.installed_version
+    monkeypatch.setattr(compat, "installed_version", lambda dist: "4.57.6" if dist == "transformers" else real(dist))
+    return "4.57.6"
+
+
+def _must_not_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any model load (tiny, path, bench model) fails the test: the command had to stop before."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was loaded although the command should have stopped first")
+
+    monkeypatch.setattr("flashpage.commands.load_model", refuse)
+    monkeypatch.setattr("flashpage.tiny.load_tiny_model", refuse)
+    monkeypatch.setattr("flashpage.bench.models.load_bench_model", refuse)
+
+
+EVERY_COMMAND = (
+    ("generate", "--prompt", "The list"), ("demo",), ("serve",), ("bench", "kernels", "--quick"),
+    ("bench", "generate", "--quick"), ("bench", "engine", "--quick"), ("bench", "hotpath", "--quick"),
+    ("bench", "tp", "--quick"), ("bench", "serve", "--quick"), ("bench", "sampler", "--quick"),
+)
+
+
+@pytest.mark.parametrize("argv", EVERY_COMMAND, ids=["-".join(a[:2]) for a in EVERY_COMMAND])
+def test_every_command_refuses_transformers_4(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                              transformers_4: str, argv: tuple[str, ...]) -> None:
+    _must_not_load(monkeypatch)
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert f"needs transformers>=5.0,<6, but transformers {transformers_4} is installed" in err
+    assert 'pip install "transformers>=5.0,<6"' in err and "Traceback" not in err
+
+
+def test_info_reports_transformers_4_instead_of_refusing(capsys: pytest.CaptureFixture[str],
+                                                         transformers_4: str) -> None:
+    code, out, _ = _run(capsys, "info")
+    assert code == 0 and "transformers 4.57.6: NOT supported (install transformers>=5.0,<6)" in out
+
+
+def test_hf_paged_cache_refuses_transformers_4(transformers_4: str) -> None:
+    from transformers import AutoConfig
+
+    from flashpage.patches import HFPagedCache, UnsupportedTransformersError
+    from flashpage.tiny import tiny_model_path
+
+    config = AutoConfig.from_pretrained(tiny_model_path())
+    with pytest.raises(UnsupportedTransformersError, match="4.57.6"):
+        HFPagedCache(config)
+
+
+def test_import_of_the_patches_refuses_transformers_4() -> None:
+    """In a fresh interpreter whose package metadata says transformers 4.57.6: the import itself fails."""
+    code = (
+        "import importlib.metadata as m\n"
+        "real = m.version\n"
+        "m.version = lambda dist: '4.57.6' if dist == 'transformers' else real(dist)\n"
+        "import sys; sys.modules.pop('transformers', None)\n"
+        "try:\n"
+        "    import flashpage.patches\n"
+        "except ImportError as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+        "else:\n"
+        "    print('imported')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                          cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("UnsupportedTransformersError flashpage needs transformers>=5.0,<6, "
+                                  "but transformers 4.57.6 is installed"), proc.stdout
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+    import transformers
+
+    import flashpage
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out.strip()
+    versions = f"transformers {transformers.__version__}, torch {torch.__version__}"
+    assert out == f"flashpage {flashpage.__version__} ({versions})"
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "-1", "http"])
+def test_serve_refuses_a_bad_port_before_loading(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                                 port: str) -> None:
+    _must_not_load(monkeypatch)
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--port", port])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --port" in err and "1..65535" in err
+
+
+def test_serve_refuses_cuda_without_cuda_before_loading(capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    _must_not_load(monkeypatch)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert main(["serve", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "flashpage serve: error: device='cuda', but CUDA is not available" in err and "device='cpu'" in err
+
+
+def test_model_argument_is_a_file(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                  tmp_path: Path) -> None:
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"not a model")
+    assert main(["generate", "--model", str(weights), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "that is a file, not a model" in err and f"--model {tmp_path}" in err and "no such directory" not in err
+
+
+def test_served_name_of_the_builtin_model_loads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--model flashpage-tiny`` (the name `flashpage serve` gives the built-in model) is that model,
+    not a hub id to look up."""
+    from transformers import AutoModelForCausalLM
+
+    from flashpage import commands, tiny_model_path
+
+    asked: list[object] = []
+    real = AutoModelForCausalLM.from_pretrained
+
+    def from_pretrained(name: object, *args: object, **kwargs: object) -> object:
+        asked.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    model, tok = commands.load_model(commands.TINY_MODEL_NAME)
+    assert asked == [tiny_model_path()] and model.config.model_type == "llama" and tok.pad_token_id is not None
+
+
+def test_max_tokens_beyond_the_context_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--prompt", "The list", "--max-tokens", "2000"]) == 2
+    err = capsys.readouterr().err
+    assert "maximum context length" in err and "is 1024 tokens" in err and "lower max_tokens to at most" in err
+
+
+@pytest.mark.parametrize("bench", ["generate", "engine", "tp"])
+def test_bench_help_names_the_bench_model(capsys: pytest.CaptureFixture[str], bench: str) -> None:
+    text = " ".join(_help(capsys, "bench", bench).split())
+    assert "default: a random-weight Llama built from a config" in text and "tiny model" not in text
+
+
+def test_missing_serve_extra_says_how_to_install_from_a_checkout(capsys: pytest.CaptureFixture[str],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    _must_not_load(monkeypatch)
+    monkeypatch.setitem(sys.modules, "flashpage.serve.server", None)  # as if uvicorn/fastapi were missing
+    assert main(["serve"]) == 2
+    assert 'pip install -e ".[serve]"' in capsys.readouterr().err

@@ -166,7 +166,9 @@ def test_unseeded_rows_are_one_batched_draw(monkeypatch):
               for t, k, p, m in [(1.0, -1, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.9, 0.0), (1.0, 3, 0.5, 0.1)]]
     seqs = _seqs(params + [SamplingParams(temperature=0.0), SamplingParams(seed=1)])
     tokens = Sampler([1])(torch.randn(6, 40), seqs)
-    assert calls == [(4, 40)]  # the 4 unseeded rows together; greedy and seeded rows apart
+    # the 4 unseeded rows in two draws: the 2 with a top-k among their candidates (k 5 and 3: width 5),
+    # the 2 others over the vocabulary; greedy and seeded rows apart
+    assert calls == [(2, 5), (2, 40)]
     assert len(tokens) == 6
 
 

@@ -159,3 +159,13 @@ def test_failed_forward_after_prefill_refuses_to_continue() -> None:
         model(ids, attention_mask=mask, past_key_values=cache)  # usable again after reset()
     finally:
         flashpage.unpatch(model)
+
+
+def test_prompt_lookup_crops_conv_states() -> None:
+    """LFM2 has conv states only, which transformers can crop: assisted (prompt-lookup) decoding
+    rolls back the pages and the recorded conv inputs together."""
+    model = tiny_hybrid("lfm2")
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])  # assisted decoding takes one row
+    ref, got, caches = _both(model, lambda: model.generate(ids, prompt_lookup_num_tokens=3, do_sample=False,
+                                                           max_new_tokens=8))
+    assert caches and torch.equal(ref, got)

@@ -202,3 +202,71 @@ def test_many_live_sequences_grow_the_slots(models: dict[str, torch.nn.Module]) 
     assert llm._states.capacity > 8  # 10 samples were live at once
     for prompt, out in zip(prompts, outs, strict=True):
         _check(model, [prompt] * 2, out.outputs)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "bamba"])
+def test_equal_length_chunks_share_a_forward(models: dict[str, torch.nn.Module], model_type: str) -> None:
+    """Prompts of one length run as one [B, L] forward (fresh states), decodes as one [B, 1]."""
+    model = _model(models, model_type)
+    prompts = random_prompts(4, 10, 10, seed=10)
+    llm = LLM(model, num_blocks=64, block_size=4, max_num_batched_tokens=40)
+    forwards: list[tuple[int, ...]] = []
+    handle = model.register_forward_pre_hook(lambda m, a, kw: forwards.append(tuple(kw["input_ids"].shape)),
+                                             with_kwargs=True)
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1), use_tqdm=False)
+    finally:
+        handle.remove()
+    assert forwards[:2] == [(4, 10), (4, 1)]
+    _check(model, prompts, [o.outputs[0] for o in outs])
+
+
+def test_split_forwards_groups_rows_that_can_share_an_input() -> None:
+    from types import SimpleNamespace
+
+    from flashpage.engine.states import split_forwards
+
+    def chunk(start: int, n: int) -> SimpleNamespace:
+        return SimpleNamespace(start=start, num_tokens=n)
+
+    chunks = [chunk(7, 1), chunk(0, 5), chunk(4, 1), chunk(8, 5), chunk(0, 5), chunk(3, 5), chunk(0, 1)]
+    forwards = split_forwards(chunks)
+    index = {id(c): i for i, c in enumerate(chunks)}
+    got = sorted((f.fresh, tuple(index[id(c)] for c in f.chunks), f.offsets) for f in forwards)
+    assert got == [(False, (0, 2), (0, 6)), (False, (3, 5), (7, 17)), (True, (1, 4), (1, 12)), (True, (6,), (22,))]
+
+
+def test_random_load_with_aborts_preemption_and_forks(models: dict[str, torch.nn.Module]) -> None:
+    """Requests arriving over time (n = 1..3), random aborts, a pool so small that sequences are
+    preempted: every completed sample equals unpatched greedy, and no state slot outlives its
+    sequence at any step."""
+    import random
+
+    model = _model(models, "qwen3_next")
+    rng = random.Random(0)
+    llm = LLM(model, num_blocks=12, block_size=4, max_num_batched_tokens=10, max_num_seqs=5, check_invariants=True)
+    prompts = random_prompts(16, 2, 14, seed=3)
+    pending, sent, aborted, done = list(enumerate(prompts)), {}, set(), {}
+    while pending or llm.has_unfinished_requests():
+        while pending and rng.random() < 0.5:
+            i, prompt = pending.pop(0)
+            rid = llm.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 8), temperature=0,
+                                                         n=rng.choice([1, 1, 2, 3]), ignore_eos=True))
+            sent[rid] = i
+        if rng.random() < 0.05 and sent:
+            rid = rng.choice(sorted(sent))
+            llm.abort(rid)
+            aborted.add(rid)
+        for out in llm.step():
+            if out.finished:
+                done[out.request_id] = out
+        live = {s.seq_id for s in llm.scheduler.running} | {s.seq_id for s in llm.scheduler.waiting}
+        assert set(llm._states.slot_of) <= live
+    assert llm.stats().preemptions > 0 and len(done) == len(prompts)
+    for rid, out in done.items():
+        if rid in aborted:
+            continue
+        ref, logits = hf_greedy(model, prompts[sent[rid]], len(out.outputs[0].token_ids), eos=False)
+        for sample in out.outputs:
+            match = compare_greedy(ref, sample.token_ids, logits)
+            assert match.ok, f"request {rid} sample {sample.index}: {match.explain()}"

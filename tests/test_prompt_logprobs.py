@@ -135,7 +135,7 @@ def test_max_tokens_beyond_the_context_is_refused(model: torch.nn.Module) -> Non
     a warning says how much will be generated and the output stops there with "length"."""
     llm = LLM(model, block_size=8, num_blocks=64, max_model_len=64)
     prompt = [int(t) for t in torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(5))]
-    with pytest.raises(ValueError, match=r"maximum context length is 64 tokens.*requested 70 tokens "
+    with pytest.raises(ValueError, match=r"maximum context length \(max_model_len\) is 64 tokens.*requested 70 tokens "
                                          r"\(60 in the prompt, 10 in max_tokens\).*at most 4.*truncate_max_tokens"):
         llm.generate([prompt], SamplingParams(max_tokens=10), use_tqdm=False)
     with pytest.raises(ValueError, match=r"2\*\*63|9223372036854775868 tokens"):

@@ -76,9 +76,10 @@ def test_openai_completions(client: openai.OpenAI, offline: LLM, engine: AsyncLL
     resp = client.completions.create(model=MODEL, prompt=[455, 491], max_tokens=4, temperature=0, logprobs=2,
                                      echo=True, n=2, seed=3)
     assert len(resp.choices) == 2 and all(c.text.startswith("The list") for c in resp.choices)
-    lp = resp.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == 4 and all(len(t) == 2 for t in lp.top_logprobs)
-    assert all(v <= 0 for v in lp.token_logprobs) and "".join(lp.tokens) == resp.choices[0].text[len("The list"):]
+    lp = resp.choices[0].logprobs  # echo: the 2 prompt tokens (the first without a logprob), then the 4 new ones
+    assert len(lp.tokens) == len(lp.token_logprobs) == 6 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and "".join(lp.tokens) == resp.choices[0].text
 
     batch = client.completions.create(model=MODEL, prompt=[[455, 491], [455]], max_tokens=3, temperature=0, n=2)
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]

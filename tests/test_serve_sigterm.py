@@ -1,6 +1,7 @@
-"""SIGTERM drain: ``flashpage serve`` in a subprocess stops accepting, finishes the running request,
-and exits 0; with a short drain timeout, a request that cannot finish in time ends with finish_reason
-"abort" (its stream still closed properly) and the process still exits 0."""
+"""SIGTERM drain: ``flashpage serve`` in a subprocess stops accepting but keeps listening (new requests,
+on new or kept-alive connections, get 503 with Retry-After, not a refused connection or a read error),
+finishes the running request, and exits 0; with a short drain timeout, a request that cannot finish in
+time ends with finish_reason "abort" (its stream still closed properly) and the process still exits 0."""
 
 from __future__ import annotations
 
@@ -65,27 +66,33 @@ def _stream_in_thread(url: str, body: dict) -> tuple[threading.Thread, list, thr
     return t, events, started
 
 
-def _refused(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 503
-    except httpx.TransportError:
-        return True
+def _assert_503(resp: httpx.Response) -> None:
+    assert resp.status_code == 503, resp.text
+    assert resp.headers["retry-after"] == "1" and resp.json()["error"]["type"] == "service_unavailable"
 
 
 def test_sigterm_drains_then_exits_0() -> None:
     """A short request finishes within the drain timeout; a long one is aborted when it expires.
 
     The long one is 48 samples of up to 1000 tokens (48 sequences x ~1000 decode steps: seconds even on a
-    fast machine), the short one 10 tokens, the drain timeout 2 s."""
+    fast machine), the short one 10 tokens, the drain timeout 3 s. During the drain the listener stays
+    open: a new connection and a kept-alive one both get 503 + Retry-After, /health too."""
     body = {"model": MODEL, "prompt": "The list", "temperature": 0, "ignore_eos": True, "stream": True}
     short, long, samples = 10, 1000, 48
-    with _serve_process("--drain-timeout", "2") as (proc, url):
+    with _serve_process("--drain-timeout", "3") as (proc, url), httpx.Client(timeout=30) as kept:
+        assert kept.get(f"{url}/health").status_code == 200  # a keep-alive connection, idle at SIGTERM
         t_long, ev_long, started_long = _stream_in_thread(url, {**body, "max_tokens": long, "n": samples})
         assert started_long.wait(30)
         t_short, ev_short, started_short = _stream_in_thread(url, {**body, "max_tokens": short})
         assert started_short.wait(30)
         proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: _refused(url), timeout=10, what="new requests refused")
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 503, timeout=10,
+                   what="/health turning 503")
+        _assert_503(httpx.get(f"{url}/health", timeout=10))
+        new = {"model": MODEL, "prompt": "The list", "max_tokens": 2}
+        _assert_503(httpx.post(f"{url}/v1/completions", json=new, timeout=10))
+        _assert_503(kept.post(f"{url}/v1/completions", json=new))
+        assert t_long.is_alive()  # all of that while the drain still runs
         t_short.join(60)
         t_long.join(60)
         assert proc.wait(60) == 0, proc.stdout.read()

@@ -242,3 +242,33 @@ def test_bad_constraints_are_refused_before_queueing(llm, fields, match):
 def test_unknown_field_named():
     with pytest.raises(ValueError, match="unknown field"):
         SamplingParams(structured_outputs={"jsn": {}})
+
+
+def test_bench_structured_quick_reports_the_cost_per_token():
+    from flashpage.bench.structured import format_report, run
+
+    result = run(quick=True)
+    plain, constrained, mixed = result["rows"]
+    assert result["outputs_agree"] and result["invalid_outputs"] == 0
+    assert plain["constrained_tokens"] == 0 and plain["grammar_ms_per_constrained_token"] is None
+    assert constrained["constrained_tokens"] == constrained["output_tokens"] > 0
+    assert 0 < mixed["constrained_tokens"] < mixed["output_tokens"]
+    assert constrained["grammar_ms_per_constrained_token"] > 0 and constrained["constrained_stopped"] > 0
+    assert "grammar ms/constr. token" in format_report(result)
+
+
+def test_a_broken_matcher_ends_only_its_sample(llm, tiny):
+    """A matcher in an error state (a bug) must not crash the step: its sample ends 'abort', others go on."""
+    p = _json(PERSON, temperature=1.0, seed=1)
+    plain = SamplingParams(max_tokens=12, temperature=1.0, seed=2)
+    ref = llm.generate(PROMPTS[1], plain, use_tqdm=False)[0].outputs[0].token_ids
+    bad = llm.add_request(PROMPTS[0], p)
+    good = llm.add_request(PROMPTS[1], plain)
+    llm.step()
+    g = llm._groups[bad].seqs[0].grammar
+    assert not g.matcher.consume_token(tiny[1]("}}}")["input_ids"][0]) and g.matcher.is_error()
+    final = {}
+    while llm.has_unfinished_requests():
+        final.update({o.request_id: o for o in llm.step() if o.finished})
+    assert final[bad].outputs[0].finish_reason == "abort"
+    assert final[good].outputs[0].token_ids == ref

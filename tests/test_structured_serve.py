@@ -98,6 +98,9 @@ def test_completions_structured_outputs(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt="Is it true?", max_tokens=8, n=4, temperature=1.0,
                                   extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
     assert all(c.text in ("yes", "no", "maybe") and c.finish_reason == "stop" for c in r.choices)
+    r = client.completions.create(model=MODEL, prompt="Is it true?", max_tokens=8, temperature=0,
+                                  extra_body={"guided_choice": ["yes", "no"]})  # vLLM's older name
+    assert r.choices[0].text in ("yes", "no")
     r = client.completions.create(model=MODEL, prompt="An order:", max_tokens=MAX_TOKENS, temperature=0,
                                   extra_body={"response_format": {"type": "json_schema",
                                                                   "json_schema": {"name": "o", "schema": ORDER}}})
@@ -190,6 +193,7 @@ def test_tools_are_rendered_by_the_chat_template(served: tuple[ServerThread, Asy
     ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "structured_outputs"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),

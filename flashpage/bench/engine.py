@@ -106,12 +106,13 @@ def _warm_prompts(vocab_size: int, seed: int) -> list[list[int]]:
 
 # ------------------------------------------------------------------------------------------- flashpage
 def run_flashpage(model: Any, work: Workload, num_blocks: int, vocab_size: int, seed: int = 0,
-                  max_num_seqs: int = 256) -> dict[str, Any]:
+                  max_num_seqs: int = 256, block_size: int = BLOCK_SIZE,
+                  max_num_batched_tokens: int = MAX_BATCHED_TOKENS) -> dict[str, Any]:
     from flashpage.engine import LLM, SamplingParams
     from flashpage.patches import unpatch
 
-    llm = LLM(model, block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=True)
+    llm = LLM(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=True)
     try:
         llm.generate(_warm_prompts(vocab_size, seed), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                      use_tqdm=False)
@@ -321,9 +322,9 @@ def _cb_collect(mgr: Any, requests: dict[str, tuple[list[int], int]], timeout: f
 
 
 # ------------------------------------------------------------------------------------------------- run
-def _pool_blocks(work: Workload) -> int:
+def _pool_blocks(work: Workload, block_size: int = BLOCK_SIZE) -> int:
     """Blocks for every request at full length at once (+ a little slack): nobody waits for memory."""
-    return sum(math.ceil((len(p) + n) / BLOCK_SIZE) for p, n in zip(work.prompts, work.max_tokens, strict=True)) + 8
+    return sum(math.ceil((len(p) + n) / block_size) for p, n in zip(work.prompts, work.max_tokens, strict=True)) + 8
 
 
 def _agreement(reference: list[list[int]], ref_logits: list[torch.Tensor], got: list[list[int]]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""`flashpage bench {kernels,generate,engine,hotpath,tp}`: run one benchmark, print text or JSON, maybe plot.
+"""`flashpage bench {kernels,generate,engine,hotpath,tp,sampler}`: run one benchmark, print text or JSON, maybe plot.
 
 Progress goes to stderr, so ``--json`` output on stdout is one JSON document. The exit code is 0
 when the outputs agree (and, for generate, the paged KV stays within its bound); speed never
@@ -30,6 +30,21 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _engine(args: argparse.Namespace) -> dict[str, Any]:
+    against = getattr(args, "against", None)
+    if against == "vllm":
+        from flashpage.bench import vs_vllm as vllm
+
+        if getattr(args, "plot", None):
+            raise ValueError("--plot draws the transformers comparison only; drop --plot with --against vllm")
+        settings = vllm.Settings(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                 block_size=args.block_size, threads=args.threads)
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(settings, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(settings, name)}: give at least 1")
+        return vllm.run(args.vllm_python, workload=args.workload, model_name=args.model, quick=args.quick,
+                        rounds=args.rounds, settings=settings)
+    if getattr(args, "vllm_python", None):
+        raise ValueError("--vllm-python is for --against vllm; add --against vllm (or drop --vllm-python)")
     from flashpage.bench import engine
 
     return engine.run(workload=getattr(args, "workload", "mixed"), model_name=getattr(args, "model", None),
@@ -40,6 +55,12 @@ def _hotpath(args: argparse.Namespace) -> dict[str, Any]:
     from flashpage.bench import hotpath
 
     return hotpath.run(quick=args.quick)
+
+
+def _sampler(args: argparse.Namespace) -> dict[str, Any]:
+    from flashpage.bench import sampler
+
+    return sampler.run(quick=args.quick)
 
 
 def _tp(args: argparse.Namespace) -> dict[str, Any]:
@@ -54,18 +75,23 @@ def _tp(args: argparse.Namespace) -> dict[str, Any]:
 def _format(name: str, result: dict[str, Any]) -> str:
     if name == "tp":
         from flashpage.bench.tp import format_report
+    elif name == "sampler":
+        from flashpage.bench.sampler import format_report
     elif name == "hotpath":
         from flashpage.bench.hotpath import format_report
     elif name == "kernels":
         from flashpage.bench.kernels import format_report
     elif name == "generate":
         from flashpage.bench.generate import format_report
+    elif result.get("bench") == "engine_vs_vllm":
+        from flashpage.bench.vs_vllm import format_report
     else:
         from flashpage.bench.engine import format_report
     return format_report(result)
 
 
-_RUNNERS = {"kernels": _kernels, "generate": _generate, "engine": _engine, "hotpath": _hotpath, "tp": _tp}
+_RUNNERS = {"kernels": _kernels, "generate": _generate, "engine": _engine, "hotpath": _hotpath, "tp": _tp,
+            "sampler": _sampler}
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -11,5 +11,5 @@ def context_overflow(num_prompt: int, max_tokens: int, max_model_len: int) -> st
         return None
     room = max_model_len - num_prompt
     fix = f"lower max_tokens to at most {room}" if room >= 1 else "shorten the prompt"
-    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested {total} "
-            f"tokens ({num_prompt} in the prompt, {max_tokens} in max_tokens): {fix}")
+    return (f"This model's maximum context length (max_model_len) is {max_model_len} tokens. However, you "
+            f"requested {total} tokens ({num_prompt} in the prompt, {max_tokens} in max_tokens): {fix}")

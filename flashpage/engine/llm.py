@@ -7,6 +7,7 @@ chunks together), planned once; logits are computed only for sequences that emit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -23,9 +24,12 @@ from flashpage.cache import KVGroup, PagedKVCache, default_block_size
 from flashpage.engine import prompt_logprobs
 from flashpage.engine.compiled import CompiledDecode, default_compile
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
+from flashpage.engine.generation_config import ModelProcessors, config_diff, sampling_defaults, unapplied_fields
+from flashpage.engine.generation_config import check_mode as check_generation_mode
 from flashpage.engine.limits import context_overflow
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
+from flashpage.engine.positions import EnginePositions, honours_logits_to_keep, kept_rows
 from flashpage.engine.sampler import Sampler
 from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
 from flashpage.engine.sequence import Group, Seq
@@ -102,6 +106,11 @@ class LLM:
         tensor_parallel_size: under ``torchrun``, load a path sharded over this many ranks
             (``tp_plan="auto"``; every rank builds its LLM); with a model object, checked against the
             model's own sharding. See README "Tensor parallel".
+        generation_config: ``"auto"`` (default, as vLLM): requests given no SamplingParams take the model's
+            generation_config sampling defaults (:meth:`get_default_sampling_params`), and its processors
+            (``forced_eos_token_id``, ``suppress_tokens``, ``begin_suppress_tokens``, ``forced_bos_token_id``,
+            ``no_repeat_ngram_size``) apply to every request as in ``generate()``; other fields that would
+            change ``generate()``'s tokens are named in a warning. ``"vllm"``: ignore it (neutral defaults).
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, block_size: int | None = None,
@@ -110,12 +119,17 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  check_invariants: bool = False, compile: bool | None = None,
-                 max_prefill_with_decodes: int | None = None, tensor_parallel_size: int | None = None) -> None:
+                 max_prefill_with_decodes: int | None = None, tensor_parallel_size: int | None = None,
+                 generation_config: str = "auto") -> None:
         require_supported_transformers()  # before loading anything: say at once why not
+        check_device(device)
+        generation_config = check_generation_mode(generation_config)
         if isinstance(model, (str, os.PathLike)):
             model, tokenizer = _load(model, tokenizer, dtype, device, tensor_parallel_size)
-        elif tensor_parallel_size is not None:
-            check_tp_size(model, tensor_parallel_size)
+        else:
+            _check_model_placement(model, dtype, device)
+            if tensor_parallel_size is not None:
+                check_tp_size(model, tensor_parallel_size)
         defaults_allowed = {"block_size": block_size, "num_blocks": num_blocks, "max_model_len": max_model_len,
                             "max_prefill_with_decodes": max_prefill_with_decodes}
         check_positive_ints("LLM: ", {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
@@ -141,7 +155,9 @@ class LLM:
             self.vocab_size = int(config.vocab_size)
             self._states: StateSlots | None = recurrent_states_of(self.model, HFPagedCache(self.model.config))
             enable_prefix_caching = enable_prefix_caching and self._states is None
-            known_len = max_model_len or getattr(config, "max_position_embeddings", None)
+            positions = getattr(config, "max_position_embeddings", None)
+            _check_max_model_len(max_model_len, positions)
+            known_len = max_model_len or positions
             self.max_model_len = known_len or 1 << 30
             sizing = plan_kv_pool(self.model, self.device, block_size or default_block_size(self.device),
                                   num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
@@ -169,46 +185,83 @@ class LLM:
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_prefill_with_decodes)
         self.sampler = Sampler(_eos_ids(self.model, tokenizer),
                                sync=self._tp.same_tokens if self._tp is not None else None)
+        self._default_params = self._generation_defaults(generation_config)
         self.max_num_batched_tokens = max_num_batched_tokens
         self._grammar: GrammarEngine | None = None  # made by the first structured-outputs request
         self._groups: dict[str, Group] = {}
         self._unreported: dict[str, Group] = {}  # add_request()s that finished inside generate()/stream()
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        # held by each step and by abort()/add_request(): either may come from another thread than step()'s
+        self._step_lock = threading.RLock()
         self._counters = {"steps": 0, "computed": 0, "generated": 0, "busy": 0.0}
         self.step_request_ids: tuple[str, ...] = ()  # requests of the latest step (set even when it raises)
         self.check_invariants = check_invariants
         use_compile = default_compile(self.device) and self._tp is None if compile is None else bool(compile)
         use_compile = use_compile and self._states is None  # the compiled step is the packed [1, T] layout
+        self._positions = EnginePositions.install(self.model)  # BART family: positions from the cache length
+        self._keeps_logits = honours_logits_to_keep(self.model)  # whisper: logits of every row
+        if self._positions is not None or not self._keeps_logits:
+            if compile:
+                warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} takes positions or logits "
+                              "rows in its own way; its steps run eagerly", stacklevel=2)
+            use_compile = False
         self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
             if use_compile else None
         self._weights = WeightWatcher(self.model)  # KV of older weights is dropped, never reused (weights.py)
+
+    def _generation_defaults(self, mode: str) -> dict[str, Any]:
+        """Read the model's generation_config (``mode`` "auto"): sampling defaults returned, processors
+        handed to the sampler, anything else that changes generate()'s tokens named in a warning."""
+        diff = config_diff(self.model) if mode == "auto" else {}
+        defaults = sampling_defaults(diff)
+        try:
+            SamplingParams(**defaults)
+        except ValueError as e:
+            raise ValueError(f"the model's generation_config has sampling defaults flashpage cannot use ({e}); fix "
+                             "model.generation_config or pass LLM(..., generation_config='vllm')") from None
+        self.sampler.processors = ModelProcessors.from_diff(diff, self.vocab_size)
+        ignored = unapplied_fields(diff)
+        if ignored:
+            warnings.warn(f"flashpage.LLM: the model's generation_config sets {', '.join(ignored)}, which the engine "
+                          "does not apply (generate() does): outputs may differ from model.generate(). Pass "
+                          "generation_config='vllm' to silence this and ignore the generation config.", stacklevel=3)
+        return defaults
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams of a request given none: the model's generation_config sampling defaults
+        (temperature, top_k, top_p, min_p, penalties, max_new_tokens as max_tokens) under
+        ``generation_config="auto"``, as vLLM; SamplingParams() otherwise."""
+        return SamplingParams(**self._default_params)
 
     # ------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request (text or token ids); returns its id. Invalid input raises ValueError
         here, before anything is queued."""
-        group = self._make_group(prompt, sampling_params, request_id)
-        self._enqueue(group)
-        return group.request_id
+        with self._step_lock:
+            group = self._make_group(prompt, sampling_params, request_id)
+            self._enqueue(group)
+            return group.request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request now: its blocks are freed, and the next step() reports its final output
         once, with finish_reason 'abort'. An unknown id, or a request that already finished (reported
         or not), is a no-op: aborting races with finishing, so both orders must be safe.
         Under tensor parallelism the abort (made on any rank) takes effect on every rank when the
-        next step starts, and that step reports it."""
-        if request_id in self._unreported:
-            return
-        group = self._groups.get(request_id)
-        if group is None:
-            return
-        if self._tp is not None:
-            self._tp.note_abort(request_id)
-            return
-        self._finish_group(group, "abort")
-        self._unreported[request_id] = group
+        next step starts, and that step reports it. Safe from any thread: made while another thread
+        runs step(), it waits for that step to end (a request that step finishes is not aborted)."""
+        with self._step_lock:
+            if request_id in self._unreported:
+                return
+            group = self._groups.get(request_id)
+            if group is None:
+                return
+            if self._tp is not None:
+                self._tp.note_abort(request_id)
+                return
+            self._finish_group(group, "abort")
+            self._unreported[request_id] = group
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to do or to report."""
@@ -217,11 +270,12 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one packed forward; returns the outputs of requests that progressed this step, preceded
         by the final outputs of add_request() requests that finished while a generate()/stream() ran."""
-        self._check_weights(full=False)
-        touched = self._step()
-        pending = list(self._unreported.values())
-        self._unreported.clear()
-        return [g.to_output() for g in pending] + [g.to_output() for g in touched]
+        with self._step_lock:
+            self._check_weights(full=False)
+            touched = self._step()
+            pending = list(self._unreported.values())
+            self._unreported.clear()
+            return [g.to_output() for g in pending] + [g.to_output() for g in touched]
 
     def stats(self) -> EngineStats:
         s = self.kv.stats()
@@ -316,9 +370,10 @@ class LLM:
     def _step_for(self, groups: list[Group]) -> None:
         """A step inside generate()/stream(): other requests that finish are kept for step() to report."""
         own = {g.request_id for g in groups}
-        for g in self._step():
-            if g.finished and g.request_id not in own:
-                self._unreported[g.request_id] = g
+        with self._step_lock:
+            for g in self._step():
+                if g.finished and g.request_id not in own:
+                    self._unreported[g.request_id] = g
 
     def _make_groups(self, prompts: Prompt | Sequence[Prompt], params: Any, streamed: bool = False) -> list[Group]:
         items = _as_prompt_list(prompts)
@@ -338,7 +393,7 @@ class LLM:
         return groups
 
     def _make_group(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None = None) -> Group:
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a flashpage.SamplingParams, got {type(params).__name__}")
         params.__post_init__()  # re-validate: fields may have been changed after construction
@@ -383,6 +438,9 @@ class LLM:
             return prompt, list(self.tokenizer(prompt)["input_ids"])
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.reshape(-1).tolist()
+        if isinstance(prompt, (bytes, Mapping)) or not isinstance(prompt, Iterable):
+            raise TypeError(f"a prompt must be a text (str) or a list of token ids (ints), got "
+                            f"{type(prompt).__name__}: {prompt!r:.60}")
         ids = list(prompt)
         if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
             raise ValueError("a token-id prompt must be a list of ints")
@@ -498,11 +556,13 @@ class LLM:
             else:
                 plan = self.kv.plan(seq_ids, [c.num_tokens for c in chunks], allocated=True)
                 self._cache.set_plan(plan, self.device)
-                with torch.inference_mode():
-                    logits = self.model(input_ids=torch.tensor([ids], device=self.device),
-                                        position_ids=torch.tensor([pos], device=self.device), use_cache=True,
-                                        logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+                position_ids = torch.tensor([pos], device=self.device)
+                keep_rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+                with torch.inference_mode(), self._positions_for(position_ids):
+                    logits = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=position_ids,
+                                        use_cache=True, logits_to_keep=keep_rows,
                                         **{self._cache_kwarg: self._cache}).logits[0]
+                logits = kept_rows(logits, keep_rows, self._keeps_logits)
         except BaseException:
             self._cache.end_forward(ok=False)
             self.scheduler.rollback(schedule)  # give back this step's slots: the cache is as before
@@ -510,6 +570,10 @@ class LLM:
         for c in chunks:
             c.seq.num_computed = c.start + c.num_tokens
         return logits
+
+    def _positions_for(self, position_ids: torch.Tensor):
+        """Give decoders that derive positions from the cache's length (BART family) the step's own."""
+        return self._positions.step(position_ids) if self._positions is not None else contextlib.nullcontext()
 
     def _stateful_forward(self, schedule: Schedule, keep: list[int]) -> torch.Tensor:
         """A model with recurrent layers: decodes as [B, 1] rows, other chunks alone (engine/states.py)."""
@@ -631,9 +695,10 @@ class LLM:
     def _abort_here(self, group: Group) -> None:
         """End a request of a generate()/stream() left early, now; under tensor parallelism the other
         ranks (if they still run it) end it when the next step starts."""
-        self._finish_group(group, "abort")
-        if self._tp is not None:
-            self._tp.note_abort(group.request_id)
+        with self._step_lock:
+            self._finish_group(group, "abort")
+            if self._tp is not None:
+                self._tp.note_abort(group.request_id)
 
     def _finish_group(self, group: Group, reason: str) -> None:
         while len(group.seqs) < group.params.n:  # samples never forked end too
@@ -713,6 +778,81 @@ def _load(path: str | os.PathLike, tokenizer: Any, dtype: torch.dtype | None, de
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+ALLOW_LONG_MAX_MODEL_LEN = "FLASHPAGE_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def _check_max_model_len(max_model_len: int | None, positions: int | None) -> None:
+    """Refuse a max_model_len beyond the model's positions (generation past them is garbage or fails),
+    unless the environment says the model really takes longer inputs (vLLM's override, same spirit)."""
+    if max_model_len is None or positions is None or max_model_len <= positions:
+        return
+    problem = (f"max_model_len={max_model_len} is more than the model's {positions} positions "
+               "(config.max_position_embeddings)")
+    if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN, "") not in ("", "0"):
+        warnings.warn(f"{problem}; allowed by {ALLOW_LONG_MAX_MODEL_LEN}: tokens past {positions} may be "
+                      "garbage", stacklevel=3)
+        return
+    raise ValueError(f"{problem}: tokens past position {positions} would be garbage (or fail). Give "
+                     f"max_model_len <= {positions}, or set {ALLOW_LONG_MAX_MODEL_LEN}=1 if this model really "
+                     "handles longer sequences (e.g. rope scaling its config does not show)")
+
+
+def _as_device(device: str | torch.device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a device torch knows: give e.g. 'cpu', 'cuda' or 'cuda:1' "
+                         f"({exc})") from None
+
+
+def check_device(device: str | torch.device | None) -> None:
+    """A CUDA device on a torch without CUDA (or without a visible GPU): say so before loading anything."""
+    if device is None:
+        return
+    want = _as_device(device)
+    if want.type == "cuda" and not torch.cuda.is_available():
+        why = "a CPU-only build" if torch.version.cuda is None else "no GPU is visible (CUDA_VISIBLE_DEVICES?)"
+        raise ValueError(f"device={str(device)!r}, but CUDA is not available: torch {torch.__version__} is {why}. "
+                         "Install a CUDA build of torch (https://pytorch.org/get-started/locally/) or use "
+                         "device='cpu'")
+    if want.type == "cuda" and want.index is not None and want.index >= torch.cuda.device_count():
+        raise ValueError(f"device={str(device)!r}, but this machine has {torch.cuda.device_count()} CUDA "
+                         "device(s)")
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype | None:
+    """A torch dtype from a dtype or its name ("bfloat16", "torch.float16"); None for "auto"."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name == "auto":
+        return None
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype={dtype!r} is not a torch dtype: give e.g. 'float32', 'float16' or 'bfloat16'")
+    return value
+
+
+def _check_model_placement(model: Any, dtype: torch.dtype | str | None, device: str | torch.device | None) -> None:
+    """LLM(model_object, dtype=..., device=...): the model is used as given, so a dtype or device it is
+    not in is refused (converting the caller's model in place would surprise); equal ones are fine."""
+    param = next(model.parameters(), None) if hasattr(model, "parameters") else None
+    if param is None:
+        return
+    want_dtype = _as_dtype(dtype) if dtype is not None else None
+    if want_dtype is not None and want_dtype != param.dtype:
+        raise ValueError(f"LLM(model, dtype={dtype!r}): the model object is {param.dtype}, and LLM uses a model "
+                         f"object as it is. Convert it first (model.to({want_dtype})) or pass a path, which LLM "
+                         "loads in that dtype")
+    if device is not None:
+        want = _as_device(device)
+        here = param.device
+        if want.type != here.type or (want.index is not None and here.index is not None and want.index != here.index):
+            raise ValueError(f"LLM(model, device={str(device)!r}): the model object is on {here}, and LLM uses a "
+                             f"model object where it is. Move it first (model.to({str(want)!r})) or pass a path, "
+                             "which LLM loads onto that device")
 
 
 def _check_model_path(path: str | os.PathLike) -> None:

@@ -2,9 +2,11 @@
 
 Order: repetition / presence / frequency penalties, ``min_tokens`` suppression of EOS and stop
 ids, then greedy argmax (temperature 0) or temperature, top-k, top-p, min-p and a draw. A seeded
-sequence draws alone from its own generator on the logits' device (so it samples the same tokens
-whatever it is batched with); unseeded rows are filtered and drawn together, one multinomial on
-the global RNG. Log-probabilities are those of the model's raw logits.
+sequence draws from its own generator on the logits' device (so it samples the same tokens
+whatever it is batched with); unseeded rows are drawn together, one multinomial on the global RNG.
+Filtering is batched either way: one ``topk`` for the rows with top-k alone, one sort for the rows
+with top-p, one softmax for the rows with min-p; rows that ask for none pay nothing (see
+:func:`filter_logits_batched`). Log-probabilities are those of the model's raw logits.
 """
 
 from __future__ import annotations
@@ -13,8 +15,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from flashpage.engine.generation_config import ModelProcessors
 from flashpage.engine.outputs import TokenLogprob
+from flashpage.engine.params import SamplingParams
 from flashpage.engine.sequence import Seq
+
+CANDIDATES_MAX = 1024  # unseeded rows with top_k up to this draw among their top-k candidates
 
 
 class Sampler:
@@ -29,6 +35,7 @@ class Sampler:
     def __init__(self, eos_token_ids: Sequence[int], sync: Callable[[list[int]], list[int]] | None = None) -> None:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.sync = sync
+        self.processors: ModelProcessors | None = None  # the model's generation_config processors (LLM sets them)
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[Seq]) -> list[int]:
         """Choose one token per row.
@@ -45,18 +52,20 @@ class Sampler:
         chosen = [0] * len(seqs)
         greedy, seeded, unseeded = _split_rows(seqs)
         if greedy:
-            _put(chosen, greedy, scores[greedy].argmax(dim=-1).tolist())
-        for i in seeded:
-            chosen[i] = self._sample_seeded(scores[i], seqs[i])
+            _put(chosen, greedy, _rows(scores, greedy, len(seqs)).argmax(dim=-1).tolist())
+        if seeded:
+            _put(chosen, seeded, self._sample_seeded(_rows(scores, seeded, len(seqs)), [seqs[i] for i in seeded]))
         if unseeded:
-            _put(chosen, unseeded, self._sample_batched(scores[unseeded], [seqs[i] for i in unseeded]))
+            _put(chosen, unseeded, self._sample_batched(_rows(scores, unseeded, len(seqs)),
+                                                        [seqs[i] for i in unseeded]))
         if self.sync is not None:
             chosen = self.sync(chosen)
         self._record_logprobs(raw, seqs, chosen)
         return chosen
 
     def _needs_processing(self, seqs: Sequence[Seq]) -> bool:
-        return any(s.group.params.has_penalties or s.num_output < s.group.params.min_tokens for s in seqs)
+        return self.processors is not None or any(s.group.params.has_penalties
+                                                  or s.num_output < s.group.params.min_tokens for s in seqs)
 
     def _process(self, scores: torch.Tensor, seqs: Sequence[Seq]) -> torch.Tensor:
         for i, s in enumerate(seqs):
@@ -68,25 +77,43 @@ class Sampler:
                 banned = set(p.stop_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
                 if banned:
                     scores[i, sorted(t for t in banned if t < scores.shape[1])] = float("-inf")
+        if self.processors is not None:
+            self.processors.apply(scores, seqs)
         return scores
 
     @staticmethod
-    def _sample_seeded(row: torch.Tensor, seq: Seq) -> int:
-        """One row on its own generator (on the row's device): the same draw alone or in any batch."""
-        p = seq.group.params
-        row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
-        probs = torch.softmax(row, dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=seq.generator(probs.device))
-        return int((probs / noise).argmax())
+    def _sample_seeded(scores: torch.Tensor, seqs: Sequence[Seq]) -> list[int]:
+        """Seeded rows (K, V): filtered together, then each row draws on its own generator (on the
+        rows' device), so a row samples the same token alone or in any batch."""
+        probs = torch.softmax(_filtered(scores, seqs), dim=-1)
+        out = []
+        for row, seq in zip(probs, seqs, strict=True):
+            noise = torch.empty_like(row).exponential_(generator=seq.generator(row.device))
+            out.append(int((row / noise).argmax()))
+        return out
 
     @staticmethod
     def _sample_batched(scores: torch.Tensor, seqs: Sequence[Seq]) -> list[int]:
-        """Unseeded rows (K, V): filtered together, one multinomial on the global RNG."""
+        """Unseeded rows (K, V) on the global RNG: rows with a top-k of at most ``CANDIDATES_MAX``
+        draw among their top-k candidates (one ``topk`` and one multinomial over (K', k) instead of
+        (K', V): the same distribution); the other rows are filtered together and drawn with one
+        multinomial over the vocabulary."""
         params = [s.group.params for s in seqs]
-        temps = torch.tensor([p.temperature for p in params], dtype=scores.dtype, device=scores.device)
-        rows = filter_logits_batched(scores / temps[:, None], [p.top_k for p in params],
-                                     [p.top_p for p in params], [p.min_p for p in params])
-        return torch.multinomial(torch.softmax(rows, dim=-1), 1).squeeze(1).tolist()
+        vocab = scores.shape[1]
+        few = [i for i, p in enumerate(params) if 0 < p.top_k < vocab and p.top_k <= CANDIDATES_MAX]
+        chosen = [0] * len(seqs)
+        if few:
+            sub = _tempered(_rows(scores, few, len(seqs)), [params[i] for i in few])
+            probs, ids, whole = top_k_candidates(sub, [params[i].top_k for i in few],
+                                                 [params[i].top_p for i in few], [params[i].min_p for i in few])
+            _put(chosen, few, ids.gather(1, torch.multinomial(probs, 1)).squeeze(1).tolist())
+            rest = [i for i in range(len(seqs)) if i not in set(few)] + [few[j] for j in whole]
+        else:
+            rest = list(range(len(seqs)))
+        if rest:
+            rows = _filtered(_rows(scores, rest, len(seqs)), [seqs[i] for i in rest])
+            _put(chosen, rest, torch.multinomial(torch.softmax(rows, dim=-1), 1).squeeze(1).tolist())
+        return chosen
 
     @staticmethod
     def _record_logprobs(raw: torch.Tensor, seqs: Sequence[Seq], chosen: list[int]) -> None:
@@ -101,6 +128,26 @@ class Sampler:
                 vals, ids = logp[r].topk(k)
                 top = dict(zip(ids.tolist(), vals.tolist(), strict=True))
             seqs[i].logprobs.append(TokenLogprob(chosen[i], float(logp[r, chosen[i]]), top))
+
+
+def _rows(scores: torch.Tensor, which: list[int], total: int) -> torch.Tensor:
+    """scores[which] (no copy when ``which`` is every row, in order)."""
+    return scores if len(which) == total else scores[which]
+
+
+def _tempered(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Rows (K, V) divided by their temperatures (not copied when every one is 1.0: x / 1.0 == x)."""
+    temps = [p.temperature for p in params]
+    if all(t == 1.0 for t in temps):
+        return scores
+    return scores / torch.tensor(temps, dtype=scores.dtype, device=scores.device)[:, None]
+
+
+def _filtered(scores: torch.Tensor, seqs: Sequence[Seq]) -> torch.Tensor:
+    """Rows (K, V) divided by their temperature, then top-k / top-p / min-p filtered (batched)."""
+    params = [s.group.params for s in seqs]
+    return filter_logits_batched(_tempered(scores, params), [p.top_k for p in params], [p.top_p for p in params],
+                                 [p.min_p for p in params])
 
 
 def _split_rows(seqs: Sequence[Seq]) -> tuple[list[int], list[int], list[int]]:
@@ -154,27 +201,103 @@ def filter_logits(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> 
 
 def filter_logits_batched(rows: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float],
                           min_p: Sequence[float]) -> torch.Tensor:
-    """:func:`filter_logits` over (N, V) rows at once, each row with its own top_k / top_p / min_p."""
+    """:func:`filter_logits` over (N, V) rows at once, each row with its own top_k / top_p / min_p.
+
+    Batched per filter: top-k rows without top-p share one ``topk`` of their largest k (not a sort
+    of the whole vocabulary), top-p rows share one sort, min-p rows one softmax; a row that asks for
+    none of them is not touched (nor copied). Row for row the same tokens as :func:`filter_logits`,
+    ties included (the k-th largest value is the same whether found by ``topk`` or a sort).
+    Returns a new (N, V) tensor (``rows`` itself when no row filters).
+    """
     vocab = rows.shape[1]
-    dev = rows.device
-    neg_inf = float("-inf")
     k_list = [k if 0 < k < vocab else 0 for k in top_k]
-    use_k, use_p, use_min = any(k_list), any(p < 1.0 for p in top_p), any(m > 0.0 for m in min_p)
-    if use_k or use_p:
-        sorted_rows, order = rows.sort(dim=-1, descending=True)
-        if use_k:
-            ks = torch.tensor(k_list, dtype=torch.long, device=dev)[:, None]
-            kth = sorted_rows.gather(1, (ks - 1).clamp(min=0))
-            kth = torch.where(ks > 0, kth, torch.full_like(kth, neg_inf))
-            rows = rows.masked_fill(rows < kth, neg_inf)
-            sorted_rows = sorted_rows.masked_fill(sorted_rows < kth, neg_inf)  # still sorted
-        if use_p:
-            ps = torch.tensor(list(top_p), dtype=rows.dtype, device=dev)[:, None]
-            probs = sorted_rows.softmax(-1)
-            drop = (probs.cumsum(-1) - probs >= ps) & (ps < 1.0)  # keep tokens until the mass reaches top_p
-            rows = rows.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), neg_inf)
-    if use_min:
-        mins = torch.tensor(list(min_p), dtype=rows.dtype, device=dev)[:, None]
-        probs = rows.softmax(-1)
-        rows = rows.masked_fill(probs < mins * probs.max(dim=-1, keepdim=True).values, neg_inf)
+    p_rows = [i for i, p in enumerate(top_p) if p < 1.0]
+    p_set = set(p_rows)
+    k_rows = [i for i, k in enumerate(k_list) if k and i not in p_set]  # top-k alone: topk, no sort
+    m_rows = [i for i, m in enumerate(min_p) if m > 0.0]
+    if not (p_rows or k_rows or m_rows):
+        return rows
+    rows = rows.clone()
+    if k_rows:
+        _mask_rows(rows, k_rows, lambda sub: _top_k_drop(sub, [k_list[i] for i in k_rows]))
+    if p_rows:
+        _mask_rows(rows, p_rows, lambda sub: _top_p_drop(sub, [k_list[i] for i in p_rows],
+                                                         [top_p[i] for i in p_rows]))
+    if m_rows:
+        _mask_rows(rows, m_rows, lambda sub: _min_p_drop(sub, [min_p[i] for i in m_rows]))
     return rows
+
+
+def top_k_candidates(rows: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float],
+                     min_p: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The sampling distribution of rows with a top-k, over their top-k candidates only.
+
+    Args:
+        rows: (M, V) tempered logits; top_k: M values in [1, V); top_p, min_p: M values (1.0 / 0.0: off).
+
+    Returns:
+        probs (M, K) and ids (M, K) int64 with K = max(top_k): row i draws ``ids[i, j]`` with
+        probability ``probs[i, j]``, the softmax of :func:`filter_logits_batched`'s row restricted to
+        its survivors (which all lie among the top k); and the rows whose k-th value ties with
+        tokens beyond the K candidates (kept by the filter, absent here): the caller draws those
+        from the whole row.
+    """
+    neg_inf = float("-inf")
+    vals, ids = rows.topk(max(top_k), dim=-1)  # sorted descending
+    kth = _kth(vals, list(top_k))
+    vals = vals.masked_fill(vals < kth, neg_inf)
+    whole = ((rows >= kth).sum(-1) > (vals >= kth).sum(-1)).nonzero().flatten().tolist()
+    if any(p < 1.0 for p in top_p):
+        ps = torch.tensor(list(top_p), dtype=rows.dtype, device=rows.device)[:, None]
+        probs = vals.softmax(-1)
+        vals = vals.masked_fill((probs.cumsum(-1) - probs >= ps) & (ps < 1.0), neg_inf)
+    if any(m > 0.0 for m in min_p):
+        ms = torch.tensor(list(min_p), dtype=rows.dtype, device=rows.device)[:, None]
+        probs = vals.softmax(-1)
+        vals = vals.masked_fill(probs < ms * probs[:, :1], neg_inf)
+    return vals.softmax(-1), ids, whole
+
+
+def _mask_rows(rows: torch.Tensor, which: list[int], drop_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Set to -inf, in place, the tokens ``drop_of`` drops in rows ``which`` of ``rows`` (N, V);
+    ``drop_of`` maps those rows (M, V) to a bool mask (M, V). All rows: no gather, no scatter."""
+    if len(which) == rows.shape[0]:
+        rows.masked_fill_(drop_of(rows), float("-inf"))
+        return
+    index = torch.tensor(which, dtype=torch.long, device=rows.device)
+    sub = rows.index_select(0, index)
+    rows.index_copy_(0, index, sub.masked_fill_(drop_of(sub), float("-inf")))
+
+
+def _kth(values: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """(M, 1): the ks[i]-th value of each row of ``values`` (M, >= max ks), sorted descending."""
+    idx = torch.tensor(ks, dtype=torch.long, device=values.device)[:, None] - 1
+    return values.gather(1, idx)
+
+
+def _top_k_drop(sub: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """Tokens below each row's k-th largest logit; sub (M, V), every k in [1, V)."""
+    return sub < _kth(sub.topk(max(ks), dim=-1).values, ks)
+
+
+def _top_p_drop(sub: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
+    """Tokens outside each row's top-k (k 0: none) and top-p nucleus; sub (M, V): one sort."""
+    sorted_rows, order = sub.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sub, dtype=torch.bool)
+    if any(ks):
+        ks_t = torch.tensor(ks, dtype=torch.long, device=sub.device)[:, None]
+        kth = sorted_rows.gather(1, (ks_t - 1).clamp(min=0))
+        kth = torch.where(ks_t > 0, kth, torch.full_like(kth, float("-inf")))
+        drop = sub < kth
+        sorted_rows = sorted_rows.masked_fill(sorted_rows < kth, float("-inf"))  # still sorted
+    probs = sorted_rows.softmax(-1)
+    ps_t = torch.tensor(ps, dtype=sub.dtype, device=sub.device)[:, None]
+    outside = probs.cumsum(-1) - probs >= ps_t  # keep tokens until the mass reaches top_p
+    return drop | torch.zeros_like(outside).scatter(1, order, outside)
+
+
+def _min_p_drop(sub: torch.Tensor, ms: list[float]) -> torch.Tensor:
+    """Tokens below min_p x the row's top probability; sub (M, V)."""
+    probs = sub.softmax(-1)
+    mins = torch.tensor(ms, dtype=sub.dtype, device=sub.device)[:, None]
+    return probs < mins * probs.max(dim=-1, keepdim=True).values

@@ -78,6 +78,7 @@ def probe_geometry(model: Any) -> ProbedGeometry:
     their own; layers reading another layer's K/V report None."""
     from flashpage.patches import HFPagedCache
 
+    refuse_custom_cache(model)
     cache = HFPagedCache(model.config, num_blocks=1, block_size=1, growable=False)
     device = next(model.parameters()).device
     kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -87,6 +88,21 @@ def probe_geometry(model: Any) -> ProbedGeometry:
     devices = [kv.layer_device(i) or device for i in range(kv.num_layers)]
     geometry = tuple(kv.layer_geometry(i) for i in range(kv.num_layers))
     return ProbedGeometry(geometry, kv.dtype, devices, kv.shared_layers)
+
+
+def refuse_custom_cache(model: Any) -> None:
+    """Refuse models that need their own cache class (transformers never gives them a DynamicCache:
+    xLSTM, RWKV, Reformer, XLNet, the original MiniMax): the engine's paged cache cannot stand in for it."""
+    from flashpage.patches import UnsupportedModelError
+
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports is not None and not supports():
+        name = getattr(model.config, "model_type", type(model).__name__)
+        raise UnsupportedModelError(
+            f"flashpage.LLM does not serve {type(model).__name__} (model_type={name!r}): it keeps its state in its own "
+            "cache class, which transformers never replaces by a standard cache and flashpage's paged cache cannot "
+            "stand in for. flashpage.patch(model) + model.generate() leaves its cache alone (exact), or use it "
+            "unpatched.")
 
 
 def plan_kv_pool(model: Any, device: torch.device, block_size: int, *, num_blocks: int | None,

@@ -10,9 +10,11 @@ treat every batch row as one sequence, so a model with such layers cannot run th
   parent's slot, and a slot is released once its sequence has left the KV cache (finished,
   aborted, preempted). A sequence recomputed from its first token starts from a fresh state, so
   preemption by recompute is exact.
-- :func:`stateful_forward` runs one engine step as: all decodes (one token, with a previous state)
-  together as ``[B, 1]`` rows, their states gathered from the slots to ``[B, ...]`` and scattered back;
-  every other chunk (a prompt, a chunk of one, a recompute) alone as ``[1, n]``.
+- :func:`stateful_forward` runs one engine step as a few ``[B, L]`` forwards of equal-length rows:
+  all decodes (one token after a state) together as ``[B, 1]``, their states gathered from the slots
+  to ``[B, ...]`` and scattered back; prompt chunks grouped by length, those that start their
+  sequences (fresh state) apart from those that continue them (state gathered). No padding: a
+  padded row would feed the pads into the recurrent state.
 
 Nothing here imports transformers: the cache object hands states over as plain tensors
 (``read_states`` / ``load_states``, see ``flashpage.patches.hf_cache.HFPagedCache``).
@@ -171,19 +173,16 @@ def restart_from_scratch(seqs: Sequence[Any], kv: Any, slots: StateSlots) -> Non
 
 
 def split_forwards(chunks: Sequence[Any]) -> list[_Forward]:
-    """Decodes of sequences with a state together; every other chunk alone (in schedule order)."""
+    """Chunks that can share a ``[rows, length]`` input: decodes (one token after a state) together,
+    and chunks of equal length that all start their sequences, or all continue them, together."""
     offsets = [0]
     for c in chunks:
         offsets.append(offsets[-1] + c.num_tokens)
-    decodes = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and c.start > 0]
-    out = []
-    if decodes:
-        out.append(_Forward(tuple(chunks[i] for i in decodes), tuple(offsets[i] for i in decodes), False))
-    taken = set(decodes)
+    groups: dict[tuple[bool, int], list[int]] = {}
     for i, c in enumerate(chunks):
-        if i not in taken:
-            out.append(_Forward((c,), (offsets[i],), c.start == 0))
-    return out
+        groups.setdefault((c.start == 0, c.num_tokens), []).append(i)
+    return [_Forward(tuple(chunks[i] for i in members), tuple(offsets[i] for i in members), fresh)
+            for (fresh, _), members in groups.items()]
 
 
 def stateful_forward(model: Any, kv: Any, cache: Any, cache_kwarg: str, device: torch.device, slots: StateSlots,

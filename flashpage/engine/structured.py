@@ -173,6 +173,7 @@ class GrammarEngine:
             raise ValueError("structured outputs need an EOS token id (the model's generation_config has none)")
         self._llg = llg
         self.vocab_size = int(vocab_size)
+        self.eos_token_id = int(min(eos_token_ids))  # what a row with no allowed token is given (it then ends)
         n_vocab = max(self.vocab_size, len(tokenizer))
         try:
             self.tokenizer = llg.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=list(eos_token_ids))
@@ -212,14 +213,18 @@ class GrammarEngine:
 
     # ---------------------------------------------------------------------------------- per step
     def apply(self, logits: torch.Tensor, seqs: Sequence[Any]) -> torch.Tensor:
-        """Set disallowed tokens' logits to -inf, in place, in the rows whose sequence has a grammar.
+        """Logits with disallowed tokens at -inf in the rows whose sequence has a grammar.
+
+        A row left with no allowed token (a matcher in an error state: a bug) gets EOS alone, so the
+        sampler never sees a row of -inf; :meth:`accept` then ends that sample with "abort".
 
         Args:
             logits: (N, V) next-token logits, row i for ``seqs[i]``.
             seqs: the N sequences; ``seq.grammar`` is a :class:`SeqGrammar` or None.
 
         Returns:
-            ``logits`` (rows without a grammar untouched).
+            (N, V): ``logits`` itself when no row has a grammar, else a new tensor (the model's output,
+            perhaps a CUDA graph's buffer, is never written).
         """
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
@@ -230,13 +235,13 @@ class GrammarEngine:
         self._llg.torch.fill_next_token_bitmask_par(
             self.executor, [(seqs[i].grammar.matcher, j) for j, i in enumerate(rows)], bitmask)
         allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])
-        with torch.inference_mode():  # the forward's logits are inference tensors
-            if len(rows) == logits.shape[0]:
-                logits.masked_fill_(~allowed, float("-inf"))
-            else:
-                index = torch.tensor(rows, device=logits.device)
-                logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-        return logits
+        dead = ~allowed.any(dim=1)  # no sync: EOS is or-ed in on the device
+        allowed[:, self.eos_token_id] |= dead
+        if len(rows) != logits.shape[0]:
+            full = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+            full[torch.tensor(rows, device=logits.device)] = allowed
+            allowed = full
+        return logits.masked_fill(~allowed, float("-inf"))
 
     def accept(self, seq: Any, token: int) -> str | None:
         """Feed ``seq``'s newly appended ``token`` to its matcher; the finish reason it implies, if any:

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashpage.engine import RequestOutput, SamplingParams
+from flashpage.engine.limits import context_overflow
 from flashpage.serve import protocol as P
 from flashpage.serve import responses as R
 from flashpage.serve import structured as S
@@ -36,9 +37,11 @@ from flashpage.serve.async_engine import (
     RequestStream,
 )
 from flashpage.serve.metrics import CONTENT_TYPE, ServeMetrics
+from flashpage.serve.tokenize import DEFAULT_WORKERS, TokenizerPool
 
 log = logging.getLogger("flashpage.serve")
 RETRY_AFTER_SECONDS = 1
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # 8 MiB: a 2048-token prompt as ids is ~12 KB, as text ~10 KB
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the access log shows it
 
 
@@ -52,25 +55,36 @@ class ServerState:
     max_model_len: int
     metrics: ServeMetrics
     chat_template: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    tokenizer_workers: int = DEFAULT_WORKERS
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: R.TokenText = field(init=False)
+    pool: TokenizerPool = field(init=False)  # tokenization and chat templates, off the loop and the engine
 
     def __post_init__(self) -> None:
         self.token_text = R.TokenText(self.tokenizer)
+        self.pool = TokenizerPool(self.tokenizer, self.tokenizer_workers)
 
 
 def build_app(engine: AsyncLLM, model_name: str, *, chat_template: str | None = None,
-              metrics: ServeMetrics | None = None, close_on_shutdown: bool = True) -> FastAPI:
-    """The server's app. With ``close_on_shutdown`` the engine is closed when the app shuts down."""
+              metrics: ServeMetrics | None = None, close_on_shutdown: bool = True,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tokenizer_workers: int = DEFAULT_WORKERS) -> FastAPI:
+    """The server's app. With ``close_on_shutdown`` the engine is closed when the app shuts down.
+    Request bodies over ``max_request_bytes`` get 413; prompts are tokenized and chat templates applied
+    on ``tokenizer_workers`` threads."""
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be a number of bytes >= 1; got {max_request_bytes!r}")
     tokenizer = _own_copy(engine.llm.tokenizer)
     if metrics is None:
         metrics = ServeMetrics(engine.snapshot)
         engine.on_tokens, engine.on_finish = metrics.on_tokens, metrics.on_finish
-    state = ServerState(engine, tokenizer, model_name, engine.llm.max_model_len, metrics, chat_template)
+    state = ServerState(engine, tokenizer, model_name, engine.llm.max_model_len, metrics, chat_template,
+                        max_request_bytes, tokenizer_workers)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        state.pool.close()
         if close_on_shutdown:
             await asyncio.to_thread(engine.close, 0.0)
 
@@ -121,7 +135,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         if state.engine.accepting:
             return JSONResponse({})
-        return _error_response(P.APIError("the server is shutting down", 503, "service_unavailable"))
+        return _error_response(P.APIError("the server is shutting down", 503, "service_unavailable",
+                                          headers={"Retry-After": str(RETRY_AFTER_SECONDS)}))
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -138,36 +153,43 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = P.parse(P.CompletionRequest, await request.body())
+        req = P.parse(P.CompletionRequest, await _read_body(request, state))
         P.check_completion(req)
         _check_model(state, req.model)
-        structured = S.structured_from(req.response_format, req.structured_outputs)
+        structured = S.request_structured(req)
         params = P.sampling_params(req, P.completion_max_tokens(req), P.completion_logprobs(req),
-                                   structured=structured)
+                                   structured=structured, prompt_logprobs=P.completion_prompt_logprobs(req))
         prompts = P.completion_prompts(req)
+        _check_batch(state, len(prompts))
+        ids = await _encode(state, prompts)
+        for p in ids:
+            _check_context(state, len(p), params.max_tokens, "max_tokens", "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await _submit(state, prompts, params, rid, "prompt")
-        echoes = [_echo_text(state, p) if req.echo else None for p in prompts]
-        job = _Job(state, rid, "text_completion", params, streams, req.stream_options)
+        streams = await _submit(state, ids, params, rid, "prompt")
+        echoes = [await _echo_text(state, p) if req.echo else None for p in prompts]
+        job = _Job(state, rid, "text_completion", params, streams, req.stream_options, P.echo_only(req))
         if req.stream:
             return _sse(job.completion_events(echoes))
         outs = await _collect(request, state, streams)
         if outs is None:
             return Response(status_code=CLIENT_CLOSED)
-        choices = [R.completion_choice(i * params.n + c.index, c, state.token_text, echoes[i])
+        outs = [job.visible(o) for o in outs]
+        choices = [R.completion_choice(i * params.n + c.index, c, state.token_text, echoes[i], job.echo_logprobs(out))
                    for i, out in enumerate(outs) for c in out.outputs]
         return JSONResponse({**job.header(), "choices": choices, "usage": R.usage(outs)})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = P.parse(P.ChatRequest, await request.body())
+        req = P.parse(P.ChatRequest, await _read_body(request, state))
         P.check_chat(req)
         _check_model(state, req.model)
         tools = S.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
         structured = _chat_structured(req, tools)
-        ids = _chat_prompt(state, req, tools)
+        ids = await _chat_prompt(state, req, tools)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = limit if limit is not None else max(1, state.max_model_len - len(ids))
+        _check_context(state, len(ids), max_tokens,
+                       "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens", "messages")
         params = P.sampling_params(req, max_tokens, P.chat_logprobs(req), renames={"logprobs": "top_logprobs"},
                                    structured=structured)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -188,19 +210,70 @@ def _check_model(state: ServerState, model: str | None) -> None:
                          404, "not_found_error", "model")
 
 
-def _echo_text(state: ServerState, prompt: str | list[int]) -> str:
+async def _read_body(request: Request, state: ServerState) -> bytes:
+    """The request body, refused with 413 beyond ``max_request_bytes`` (by its Content-Length before
+    reading anything, else as soon as the bytes read exceed it)."""
+    limit = state.max_request_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(state, f"{int(declared)} bytes", limit)
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise _too_large(state, f"more than {limit} bytes", limit)
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _too_large(state: ServerState, size: str, limit: int) -> P.APIError:
+    state.metrics.rejected.labels(reason="body_too_large").inc()
+    return P.APIError(f"request body is {size}; this server accepts at most {limit} bytes per request "
+                      "(flashpage serve --max-request-bytes): send fewer or shorter prompts per request",
+                      413, "invalid_request_error")
+
+
+def _check_batch(state: ServerState, num_prompts: int) -> None:
+    """A request with more prompts than the waiting queue can ever hold: 400 at once (never 503: retrying
+    cannot help), before anything is tokenized or queued."""
+    limit = state.engine.max_waiting_requests
+    if limit is not None and num_prompts > limit:
+        state.metrics.rejected.labels(reason="batch_too_large").inc()
+        raise P.APIError(f"this request has {num_prompts} prompts, but the server queues at most {limit} requests "
+                         f"(--max-waiting-requests {limit}): send at most {limit} prompts per request", param="prompt")
+
+
+def _check_context(state: ServerState, num_prompt: int, max_tokens: int, tokens_param: str,
+                   prompt_param: str) -> None:
+    """prompt + max_tokens beyond the model's context: 400 naming both numbers (vLLM's answer)."""
+    problem = context_overflow(num_prompt, max_tokens, state.max_model_len)
+    if problem is not None:
+        state.metrics.rejected.labels(reason="context_length").inc()
+        fits = num_prompt < state.max_model_len
+        raise P.APIError(problem.replace("max_tokens", tokens_param), param=tokens_param if fits else prompt_param)
+
+
+async def _encode(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Token ids of the prompts, encoded on the tokenizer pool (text prompts need a tokenizer)."""
+    if state.tokenizer is None and any(isinstance(p, str) for p in prompts):
+        raise P.APIError("this model has no tokenizer: send prompts as token ids", param="prompt")
+    return await state.pool.encode(prompts)
+
+
+async def _echo_text(state: ServerState, prompt: str | list[int]) -> str:
     if isinstance(prompt, str):
         return prompt
-    return state.tokenizer.decode(prompt, skip_special_tokens=False) if state.tokenizer is not None else ""
+    return await state.pool.decode(prompt) if state.tokenizer is not None else ""
 
 
 def _chat_structured(req: P.ChatRequest, tools: S.ToolPlan) -> Any:
     """The chat request's constraint: a forced tool call's schema, else response_format / structured_outputs."""
     forced = S.tool_constraint(tools)
-    if forced is not None and (req.response_format or req.structured_outputs):
+    if forced is not None and S.request_structured(req) is not None:
         raise P.APIError(f"tool_choice {tools.mode!r} forces the output's format: give no 'response_format' "
                          "or 'structured_outputs' with it", param="tool_choice")
-    return forced or S.structured_from(req.response_format, req.structured_outputs)
+    return forced or S.request_structured(req)
 
 
 def _with_tools(choice: dict[str, Any], tools: S.ToolPlan) -> dict[str, Any]:
@@ -211,7 +284,7 @@ def _with_tools(choice: dict[str, Any], tools: S.ToolPlan) -> dict[str, Any]:
     return {**choice, "message": message, "finish_reason": reason}
 
 
-def _chat_prompt(state: ServerState, req: P.ChatRequest, tools: S.ToolPlan | None = None) -> list[int]:
+async def _chat_prompt(state: ServerState, req: P.ChatRequest, tools: S.ToolPlan | None = None) -> list[int]:
     tok = state.tokenizer
     if tok is None:
         raise P.APIError("this model has no tokenizer, so chat is unavailable; use /v1/completions with token ids",
@@ -223,20 +296,17 @@ def _chat_prompt(state: ServerState, req: P.ChatRequest, tools: S.ToolPlan | Non
     messages = S.template_messages(req.messages)
     extra = {"tools": [{"type": "function", "function": t} for t in tools.tools]} if tools and tools.tools else {}
     try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                                       chat_template=template, **extra)
+        return await state.pool.chat(messages, template, req.add_generation_prompt, **extra)
     except Exception as exc:  # the template refused these messages (e.g. roles out of order)
         raise P.APIError(f"the chat template rejected the messages: {exc}", param="messages") from None
-    return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
 async def _submit(state: ServerState, prompts: list[Any], params: SamplingParams, rid: str,
                   prompt_param: str) -> list[RequestStream]:
-    """Queue one engine request per prompt and wait until the engine accepted them all."""
+    """Queue one engine request per prompt, all or none, and wait until the engine accepted them all."""
     streams: list[RequestStream] = []
     try:
-        for i, prompt in enumerate(prompts):
-            streams.append(state.engine.add_request(prompt, params, f"{rid}-{i}"))
+        streams = state.engine.add_requests(prompts, params, [f"{rid}-{i}" for i in range(len(prompts))])
         for s in streams:
             await s.accepted()
     except BaseException as exc:
@@ -317,9 +387,20 @@ class _Job:
     params: SamplingParams
     streams: list[RequestStream]
     stream_options: P.StreamOptions | None
+    echo_only: bool = False  # echo with max_tokens=0: the engine's one generated token is not shown
     created: int = field(default_factory=lambda: int(time.time()))
     latest: dict[int, RequestOutput] = field(default_factory=dict)  # newest output per prompt
     tools: S.ToolPlan | None = None  # chat: how the output may become tool calls
+
+    def visible(self, out: RequestOutput) -> RequestOutput:
+        """What the client sees of ``out``: without the generated token under ``echo_only``."""
+        return R.without_output(out) if self.echo_only else out
+
+    def echo_logprobs(self, out: RequestOutput) -> dict[str, Any] | None:
+        """The echoed prompt's logprobs object (echo with logprobs), else None."""
+        if out.prompt_logprobs is None:
+            return None
+        return R.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.state.token_text)
 
     def header(self, chunk: bool = False) -> dict[str, Any]:
         kind = self.kind + (".chunk" if chunk and self.kind == "chat.completion" else "")
@@ -386,14 +467,18 @@ class _Job:
         tok = self.state.token_text
         n = self.params.n
         async for i, out in self.outputs():
+            out = self.visible(out)
             for c in out.outputs:
                 key = (i, c.index)
                 cursor = cursors.setdefault(key, R.SampleCursor(self.params.stop_strings))
                 delta = cursor.advance(c)
                 if delta is not None:
-                    prefix = (echoes[i] or "") if key not in echoed else ""
+                    first = key not in echoed
+                    prefix = (echoes[i] or "") if first else ""
+                    prefix_lps = self.echo_logprobs(out) if first else None
                     echoed.add(key)
-                    yield self.chunk([R.completion_chunk_choice(i * n + c.index, delta, tok, prefix)])
+                    yield self.chunk([R.completion_chunk_choice(i * n + c.index, delta, tok, prefix, prefix_lps,
+                                                                len(echoes[i] or ""))])
             if out.finished:
                 finals[i] = out
         if self.include_usage:

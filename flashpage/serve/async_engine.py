@@ -10,7 +10,8 @@ thread touches the ``LLM`` (``stats()`` takes the same lock, so it never sees ha
 - A step that raises fails only the requests it was computing (``LLM.step_request_ids``): their
   streams raise :class:`RequestFailedError`, their blocks are freed, the loop keeps serving.
 - ``max_waiting_requests`` bounds the requests accepted but not yet running; beyond it
-  ``add_request`` raises :class:`QueueFullError` at once.
+  ``add_request`` raises :class:`QueueFullError` at once. ``add_requests`` queues a batch all or
+  nothing, so a batch that does not fit never occupies the queue while it is turned away.
 - ``close(drain_timeout)`` stops accepting, lets unfinished requests run for up to the timeout,
   aborts the rest and joins the thread.
 """
@@ -203,21 +204,42 @@ class AsyncLLM:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> RequestStream:
         """Queue a request; returns its stream at once (validation errors surface from the stream)."""
+        return self.add_requests([prompt], params, [request_id])[0]
+
+    def add_requests(self, prompts: Sequence[Prompt], params: SamplingParams | None = None,
+                     request_ids: Sequence[str | None] | None = None) -> list[RequestStream]:
+        """Queue several requests all or nothing: when the waiting queue cannot take them all, none is
+        queued (QueueFullError; a batch larger than ``max_waiting_requests`` raises ValueError, since it
+        could never fit). Returns their streams at once, in order."""
+        ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
+        if len(ids) != len(prompts):
+            raise ValueError(f"got {len(ids)} request ids for {len(prompts)} prompts")
+        limit = self.max_waiting_requests
+        if limit is not None and len(prompts) > limit:
+            raise ValueError(f"{len(prompts)} prompts in one request, but the server queues at most {limit} "
+                             f"requests (max_waiting_requests={limit}); send at most {limit} prompts per request")
         with self._cv:
             if not self._accepting or self.dead is not None:
                 raise EngineClosedError("the server is shutting down and accepts no new request")
             waiting = len(self._pending_streams) + self._snapshot.waiting
-            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
-                raise QueueFullError(f"server is at capacity: {waiting} requests are waiting "
-                                     f"(max_waiting_requests={self.max_waiting_requests}); retry later")
-            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-            if rid in self._pending_streams:
-                raise ValueError(f"request id {rid!r} is already in use")
-            stream = RequestStream(rid, self.abort)
-            self._commands.append(_Add(rid, prompt, params, time.perf_counter()))
-            self._pending_streams[rid] = stream
+            if limit is not None and waiting + len(prompts) > limit:
+                raise QueueFullError(f"server is at capacity: {waiting} requests are waiting and this one brings "
+                                     f"{len(prompts)} (max_waiting_requests={limit}); retry later")
+            rids = [rid if rid is not None else f"req-{next(self._ids)}" for rid in ids]
+            seen: set[str] = set()
+            for rid in rids:
+                if rid in self._pending_streams or rid in seen:
+                    raise ValueError(f"request id {rid!r} is already in use")
+                seen.add(rid)
+            now = time.perf_counter()
+            streams = []
+            for rid, prompt in zip(rids, prompts, strict=True):
+                stream = RequestStream(rid, self.abort)
+                self._commands.append(_Add(rid, prompt, params, now))
+                self._pending_streams[rid] = stream
+                streams.append(stream)
             self._cv.notify()
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         """End a request; its stream gets one final output with finish_reason "abort".

@@ -66,6 +66,10 @@ class _Sampling(_Strict):
     # structured outputs (flashpage.serve.structured): OpenAI's response_format, vLLM's structured_outputs
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older names for structured_outputs' fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -155,7 +159,8 @@ def check_common(req: _Sampling) -> None:
 
 def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
                     renames: dict[str, str] | None = None,
-                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                    structured: StructuredOutputsParams | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams for ``req``; out-of-range values raise APIError naming the request field
     (``renames``: SamplingParams field -> request field, where they differ)."""
     fields = {
@@ -166,6 +171,7 @@ def sampling_params(req: _Sampling, max_tokens: int, logprobs: int | None,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
         "stop": req.stop, "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
         "logprobs": logprobs, "skip_special_tokens": req.skip_special_tokens, "structured_outputs": structured,
+        "prompt_logprobs": prompt_logprobs,
     }
     try:
         return SamplingParams(**fields)
@@ -195,11 +201,28 @@ def engine_error(exc: Exception, prompt_param: str = "prompt") -> APIError:
 
 
 def completion_max_tokens(req: CompletionRequest) -> int:
+    """The engine's max_tokens: ``max_tokens=0`` with ``echo`` (score the prompt only, as lm-eval does)
+    generates one token that the response leaves out (see :func:`echo_only`), as vLLM does."""
+    if req.max_tokens == 0:
+        if not req.echo:
+            raise APIError("'max_tokens' = 0 is only allowed with echo=true (to score the prompt); "
+                           "ask for at least 1 token", param="max_tokens")
+        return 1
     return 16 if req.max_tokens is None else req.max_tokens
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens=0``: the response holds the prompt (and its logprobs) only."""
+    return req.echo and req.max_tokens == 0
 
 
 def completion_logprobs(req: CompletionRequest) -> int | None:
     return req.logprobs
+
+
+def completion_prompt_logprobs(req: CompletionRequest) -> int | None:
+    """With ``echo`` and ``logprobs=k``, the echoed prompt tokens get their logprobs and top-k too (as vLLM)."""
+    return req.logprobs if req.echo else None
 
 
 def chat_logprobs(req: ChatRequest) -> int | None:

@@ -7,6 +7,7 @@ back, so streamed text never has to be taken back.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +95,37 @@ def completion_logprobs(lps: list[TokenLogprob], tok: TokenText, offset: int) ->
             "text_offset": offsets}
 
 
+def prompt_logprobs(prompt_ids: list[int], entries: list[TokenLogprob | None], tok: TokenText) -> dict[str, Any]:
+    """The echoed prompt's part of a completions logprobs object (``echo`` with ``logprobs``): every
+    prompt token, None as the first token's logprob and top_logprobs (nothing predicts it), as vLLM."""
+    tokens = [tok(t) for t in prompt_ids]
+    offsets, offset = [], 0
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens,
+            "token_logprobs": [None if e is None else _lp(e.logprob) for e in entries],
+            "top_logprobs": [None if e is None else {tok(i): _lp(v) for i, v in sorted(e.top.items(),
+                                                                                        key=lambda kv: -kv[1])}
+                             for e in entries],
+            "text_offset": offsets}
+
+
+def join_logprobs(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two completions logprobs objects one after the other (the echoed prompt's, then the output's)."""
+    if first is None or then is None:
+        return then if first is None else first
+    return {key: first[key] + then[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def without_output(out: RequestOutput) -> RequestOutput:
+    """``out`` with no generated tokens (``echo`` with ``max_tokens=0``: the engine's one token is dropped)."""
+    outputs = [dataclasses.replace(c, token_ids=[], text="", logprobs=[] if c.logprobs is not None else None,
+                                   finish_reason="length" if c.finish_reason is not None else None)
+               for c in out.outputs]
+    return dataclasses.replace(out, outputs=outputs)
+
+
 def chat_logprobs(lps: list[TokenLogprob], tok: TokenText) -> dict[str, Any]:
     """OpenAI's chat logprobs object (``{"content": [...]}``)."""
 
@@ -112,11 +144,14 @@ def usage(outputs: list[RequestOutput]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_choice(index: int, comp: CompletionOutput, tok: TokenText, echo: str | None) -> dict[str, Any]:
+def completion_choice(index: int, comp: CompletionOutput, tok: TokenText, echo: str | None,
+                      echo_logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One completions choice; ``echo``: the prompt text before the output, ``echo_logprobs`` its
+    logprobs (from :func:`prompt_logprobs`) before the output's."""
     text = (echo or "") + comp.text
     lps = completion_logprobs(comp.logprobs, tok, len(echo or "")) if comp.logprobs is not None else None
-    return {"index": index, "text": text, "logprobs": lps, "finish_reason": comp.finish_reason,
-            "stop_reason": None}
+    return {"index": index, "text": text, "logprobs": join_logprobs(echo_logprobs, lps),
+            "finish_reason": comp.finish_reason, "stop_reason": None}
 
 
 def chat_choice(index: int, comp: CompletionOutput, tok: TokenText) -> dict[str, Any]:
@@ -125,10 +160,14 @@ def chat_choice(index: int, comp: CompletionOutput, tok: TokenText) -> dict[str,
             "finish_reason": comp.finish_reason}
 
 
-def completion_chunk_choice(index: int, delta: Delta, tok: TokenText, prefix: str = "") -> dict[str, Any]:
-    lps = completion_logprobs(delta.logprobs, tok, delta.text_offset) if delta.logprobs is not None else None
-    return {"index": index, "text": prefix + delta.text, "logprobs": lps, "finish_reason": delta.finish_reason,
-            "stop_reason": None}
+def completion_chunk_choice(index: int, delta: Delta, tok: TokenText, prefix: str = "",
+                            prefix_logprobs: dict[str, Any] | None = None, echo_len: int = 0) -> dict[str, Any]:
+    """One streamed completions choice; ``prefix`` (and ``prefix_logprobs``): the echoed prompt, in the
+    sample's first chunk; ``echo_len``: the echoed prompt's length, before every chunk's text offsets."""
+    lps = completion_logprobs(delta.logprobs, tok, echo_len + delta.text_offset) \
+        if delta.logprobs is not None else None
+    return {"index": index, "text": prefix + delta.text, "logprobs": join_logprobs(prefix_logprobs, lps),
+            "finish_reason": delta.finish_reason, "stop_reason": None}
 
 
 def chat_chunk_choice(index: int, delta: Delta, tok: TokenText) -> dict[str, Any]:

@@ -1,9 +1,12 @@
 """Running the app: ``flashpage serve`` (uvicorn in the foreground, SIGTERM drains and exits 0)
 and :class:`ServerThread` (uvicorn on a loopback port in a background thread, for tests/benches).
 
-Shutdown on SIGTERM or Ctrl+C: the front stops accepting (``/health`` turns 503, new requests get
-503), uvicorn closes the listening socket, running requests finish for up to ``drain_timeout``
-seconds (then they are cancelled and aborted), the engine thread stops, and the process exits 0.
+Shutdown on SIGTERM or Ctrl+C (a drain): the front stops accepting, but the listening socket stays
+open, so new requests (on new or kept-alive connections) get 503 with Retry-After and ``/health``
+turns 503; running requests finish for up to ``drain_timeout`` seconds, then the rest are aborted
+(their responses end properly: finish_reason "abort", then ``[DONE]``); only then does uvicorn close
+the socket and the connections, the engine thread stops, and the process exits 0. A second signal
+during the drain aborts what runs and exits at once.
 """
 
 from __future__ import annotations
@@ -33,33 +36,54 @@ class ServeOptions:
     port: int = 8000
     served_model_name: str | None = None
     max_waiting_requests: int = 512
+    max_request_bytes: int | None = None  # None: the app's default (DEFAULT_MAX_REQUEST_BYTES)
     drain_timeout: float = 30.0
     chat_template: str | None = None
     log_level: str = "info"
     engine: dict[str, Any] = field(default_factory=dict)
 
 
+FLUSH_SECONDS = 5.0  # after the drain: time for aborted requests' final events to reach their clients
+
+
 class _DrainingServer(uvicorn.Server):
-    """uvicorn.Server that, on SIGTERM/SIGINT, stops the engine front from accepting and, after
-    ``drain_timeout`` seconds, aborts what still runs: those streams end properly (finish_reason
-    "abort", then ``[DONE]``) before uvicorn's own, later, timeout would cut their connections."""
+    """uvicorn.Server that drains on SIGTERM/SIGINT before uvicorn closes anything: the engine front
+    stops accepting (new requests get 503 + Retry-After from the app while the socket stays open),
+    running requests get up to ``drain_timeout`` seconds, what still runs then is aborted, and only
+    once nothing is left (or a second signal) is uvicorn told to exit."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLM, drain_timeout: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_timeout = drain_timeout
-        self.timer: threading.Timer | None = None
+        self.drainer: threading.Thread | None = None
         self.cut = threading.Event()
+        self.stop = threading.Event()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.engine.stop_accepting()
-        if self.timer is None:
-            self.timer = threading.Timer(self.drain_timeout, self._cut)
-            self.timer.daemon = True
-            self.timer.start()
+        if self.drainer is None:
+            self.drainer = threading.Thread(target=self._drain, args=(sig, frame), name="flashpage-drain",
+                                            daemon=True)
+            self.drainer.start()
+            return
+        self.stop.set()  # a second signal: stop draining now
+        self._abort_rest()
         super().handle_exit(sig, frame)
 
-    def _cut(self) -> None:
+    def _drain(self, sig: int, frame: Any) -> None:
+        if not self._wait_idle(self.drain_timeout):
+            self._abort_rest()
+            self._wait_idle(FLUSH_SECONDS)
+        super().handle_exit(sig, frame)
+
+    def _wait_idle(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while self.engine.num_unfinished and time.monotonic() < deadline and not self.stop.is_set():
+            self.stop.wait(0.02)
+        return self.engine.num_unfinished == 0
+
+    def _abort_rest(self) -> None:
         if self.engine.num_unfinished:
             self.cut.set()
             self.engine.abort_all()
@@ -105,9 +129,11 @@ def run_server(options: ServeOptions, engine: AsyncLLM | None = None) -> int:
     template = read_chat_template(options.chat_template)
     engine = engine if engine is not None else build_engine(options)
     name = options.served_model_name or options.model or TINY_MODEL_NAME
-    app = build_app(engine, name, chat_template=template, close_on_shutdown=False)
+    limits = {"max_request_bytes": options.max_request_bytes} if options.max_request_bytes is not None else {}
+    app = build_app(engine, name, chat_template=template, close_on_shutdown=False, **limits)
+    # uvicorn's own graceful shutdown starts after the drain: only final events are left to send
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
-                            timeout_graceful_shutdown=options.drain_timeout + 5.0, lifespan="on")
+                            timeout_graceful_shutdown=FLUSH_SECONDS, lifespan="on")
     server = _DrainingServer(config, engine, options.drain_timeout)
     # uvicorn re-raises the signal it handled once it is done; these handlers make that a no-op,
     # so a drained server exits 0 instead of dying by SIGTERM
@@ -115,9 +141,8 @@ def run_server(options: ServeOptions, engine: AsyncLLM | None = None) -> int:
     try:
         server.run()
     finally:
+        server.stop.set()
         engine.close(drain_timeout=0.0)
-        if server.timer is not None:
-            server.timer.cancel()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     how = "requests still running after --drain-timeout were aborted" if server.cut.is_set() \

@@ -50,6 +50,22 @@ class ToolPlan:
 
 
 # --------------------------------------------------------------------------------------- requests
+_GUIDED = ("json", "regex", "choice", "grammar")
+
+
+def request_structured(req: Any) -> StructuredOutputsParams | None:
+    """The constraint of a completions / chat request: ``response_format``, ``structured_outputs``, or
+    vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``."""
+    fields = req.structured_outputs
+    guided = {k: getattr(req, f"guided_{k}") for k in _GUIDED if getattr(req, f"guided_{k}", None) is not None}
+    if guided:
+        if fields is not None:
+            raise APIError("give 'structured_outputs' or the older 'guided_*' fields, not both",
+                           param="structured_outputs")
+        fields = guided
+    return structured_from(req.response_format, fields)
+
+
 def structured_from(response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None,
                     ) -> StructuredOutputsParams | None:
     """The constraint a request asks for with ``response_format`` (OpenAI) or ``structured_outputs`` (vLLM)."""

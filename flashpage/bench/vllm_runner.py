@@ -1,0 +1,72 @@
+"""Run one offline vLLM measurement; executed by vLLM's own interpreter, never imported by flashpage.
+
+    VLLM_PYTHON flashpage/bench/vllm_runner.py SPEC.json OUT.json
+
+SPEC (written by ``flashpage bench engine --against vllm``): ``model`` (a checkpoint directory),
+``prompts`` (token ids), ``max_tokens`` (one per prompt), ``warm_prompts``, and the engine settings
+``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``, ``block_size``, ``dtype``,
+``kv_cache_memory_bytes``, ``max_model_len``, ``threads``. Every request is greedy with EOS ignored
+and submitted at once (``LLM.generate``); only that call is timed, after a warm-up ``generate``.
+OUT gets ``tokens`` (per request), ``seconds``, ``output_tokens``, ``vllm_version`` and the
+settings vLLM resolved. This file imports only the standard library and vLLM, so it runs in a
+virtual environment that does not have flashpage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _threads_env(threads: int) -> None:
+    """Pin vLLM's OpenMP threads to the first ``threads`` cores (as flashpage runs ``threads``)."""
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+def measure(spec: dict) -> dict:
+    """Load vLLM on ``spec['model']``, warm up, time one ``generate`` of every request."""
+    _threads_env(int(spec["threads"]))
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"],
+              max_num_batched_tokens=spec["max_num_batched_tokens"],
+              enable_prefix_caching=spec["enable_prefix_caching"], block_size=spec["block_size"],
+              kv_cache_memory_bytes=spec["kv_cache_memory_bytes"], max_model_len=spec["max_model_len"],
+              skip_tokenizer_init=True, seed=0)
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["warm_prompts"]], params(4), use_tqdm=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, [params(n) for n in spec["max_tokens"]], use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return {"tokens": tokens, "seconds": seconds, "output_tokens": sum(len(t) for t in tokens),
+            "vllm_version": vllm.__version__,
+            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+            "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print("usage: vllm_runner.py SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    with open(argv[1]) as f:
+        spec = json.load(f)
+    result = measure(spec)
+    with open(argv[2], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":  # vLLM's engine starts worker processes: the guard is required
+    here = os.path.dirname(os.path.abspath(__file__))  # flashpage/bench/ must not shadow anything vLLM imports
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    sys.exit(main(sys.argv))

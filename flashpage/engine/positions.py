@@ -1,0 +1,107 @@
+"""Positions and logits rows the engine's packed forward gives models that do not take them as asked.
+
+The engine runs every scheduled sequence's new tokens as one row ``input_ids[1, T]`` with explicit
+``position_ids[1, T]`` and ``logits_to_keep`` (the rows whose logits it samples). Two kinds of
+transformers decoders do not honour that:
+
+- BART-family decoders (bart, mbart, marian, pegasus, plbart, blenderbot(-small), bigbird_pegasus)
+  compute their positions as ``arange(T) + cache.get_seq_length()`` and hand those to their
+  positional embedding (``embed_positions(..., cache_length, position_ids=...)``), ignoring the
+  caller's. Under the engine's cache that is 0 and one length for all packed sequences. A forward
+  pre-hook on such an embedding replaces the positions it is given by the engine's, per token.
+- Models whose forward has no ``logits_to_keep`` (whisper's decoder) return logits for every input
+  row: :func:`kept_rows` picks the rows the engine asked for.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_ATTR = "_flashpage_engine_positions"
+# parameters of a positional embedding that falls back to the cache's length (transformers' BART family)
+_CACHE_DERIVED = ("cache_length", "past_key_values_length")
+
+
+def _params(module: torch.nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def cache_position_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Positional embeddings that take ``position_ids`` next to a cache length (what decoders that
+    derive positions from ``cache.get_seq_length()`` call)."""
+    found = []
+    for module in model.modules():
+        params = _params(module)
+        if "position_ids" in params and any(p in params for p in _CACHE_DERIVED):
+            found.append(module)
+    return found
+
+
+@dataclass
+class EnginePositions:
+    """Hooks that give cache-derived positional embeddings the engine's positions during a step.
+
+    Attributes:
+        current: the step's positions (1, T) long while a step runs, else None (hooks do nothing:
+            ``generate()`` and direct calls keep transformers' behaviour).
+        handles: the registered hooks (``remove()`` undoes them).
+    """
+
+    current: torch.Tensor | None = None
+    handles: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def install(cls, model: torch.nn.Module) -> EnginePositions | None:
+        """Hooks on ``model``'s cache-derived positional embeddings; None when it has none (every
+        decoder that takes ``position_ids`` itself: no hook, no cost)."""
+        existing = getattr(model, _ATTR, None)
+        if existing is not None:  # another LLM on the same model: one set of hooks
+            return existing
+        modules = cache_position_modules(model)
+        if not modules:
+            return None
+        holder = cls()
+        for module in modules:
+            holder.handles.append(module.register_forward_pre_hook(holder._hook, with_kwargs=True))
+        setattr(model, _ATTR, holder)
+        return holder
+
+    def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        given = kwargs.get("position_ids")
+        pos = self.current
+        if pos is None or not isinstance(given, torch.Tensor) or given.numel() != pos.numel():
+            return None
+        return args, {**kwargs, "position_ids": pos.to(given.device).reshape(given.shape)}
+
+    @contextmanager
+    def step(self, position_ids: torch.Tensor) -> Iterator[None]:
+        """Within the block, hooked embeddings see ``position_ids`` (1, T)."""
+        self.current = position_ids
+        try:
+            yield
+        finally:
+            self.current = None
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def honours_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``logits_to_keep`` (else it returns logits for every row)."""
+    return "logits_to_keep" in _params(model)
+
+
+def kept_rows(logits: torch.Tensor, keep: torch.Tensor, honoured: bool) -> torch.Tensor:
+    """The logits rows the step asked for: ``logits`` (T or len(keep), V) -> (len(keep), V)."""
+    return logits if honoured else logits.index_select(0, keep.to(logits.device))

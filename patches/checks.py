@@ -457,49 +457,11 @@ def _short(text: str, limit: int = 200) -> str:
 
 
 # ----------------------------------------------------------------------------- engine checks
-# What flashpage.LLM needs beyond patch(): positions and logits it can
-# choose for a packed batch of many sequences, per-sequence state only in the pages, and no
-# generation_config processor it does not apply. One function per reason (work that makes a case
-# exact in the engine removes or relaxes exactly that function).
+# What flashpage.LLM needs beyond patch(): K/V to page, and recurrent state kept where the engine can
+# keep it per sequence (the cache's state layers). One function per reason (work that makes a case
+# exact in the engine removes or relaxes exactly that function; positions, logits_to_keep and
+# generation_config processors are the engine's own, see engine/positions.py, generation_config.py).
 EngineCheck = Callable[[torch.nn.Module, ProbeReport], str | None]
-# generation_config entries that change greedy tokens (None, 0 or empty: off)
-GENERATION_PROCESSORS = ("forced_eos_token_id", "forced_bos_token_id", "suppress_tokens", "begin_suppress_tokens",
-                         "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "encoder_no_repeat_ngram_size",
-                         "forced_decoder_ids")
-
-
-def _forward_parameters(module: Any) -> set[str]:
-    import inspect
-
-    return set(inspect.signature(type(module).forward).parameters) if isinstance(module, torch.nn.Module) else set()
-
-
-def check_explicit_positions(model: torch.nn.Module, report: ProbeReport) -> str | None:
-    """The engine runs many sequences in one packed row and passes each token's position_ids."""
-    if not report.kv_shapes:  # no attention layer (a pure state-space model): no positions to give
-        return None
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if "position_ids" not in _forward_parameters(model) | _forward_parameters(decoder):
-        return ("its forward takes no position_ids (it derives positions from the cache length), and the engine "
-                "packs many sequences into one row")
-    return None
-
-
-def check_logits_to_keep(model: torch.nn.Module, report: ProbeReport) -> str | None:
-    """The engine asks for the logits of each sequence's last token only (``logits_to_keep``)."""
-    if "logits_to_keep" not in _forward_parameters(model):
-        return "its forward takes no logits_to_keep, which the engine uses to read each sequence's last token"
-    return None
-
-
-def check_generation_processors(model: torch.nn.Module, report: ProbeReport) -> str | None:
-    """generate() applies the model's generation_config processors; the engine does not (yet)."""
-    config = getattr(model, "generation_config", None)
-    used = sorted(name for name in GENERATION_PROCESSORS if getattr(config, name, None) not in (None, 0, [], (), {}))
-    if used:
-        return (f"its generation_config sets {used}, which generate() applies and the engine does not, so the "
-                "engine's tokens would differ")
-    return None
 
 
 def check_recurrent_state_in_cache(model: torch.nn.Module, report: ProbeReport) -> str | None:
@@ -520,8 +482,7 @@ def check_has_attention(model: torch.nn.Module, report: ProbeReport) -> str | No
     return None
 
 
-ENGINE_CHECKS: list[EngineCheck] = [check_has_attention, check_explicit_positions, check_logits_to_keep,
-                                    check_generation_processors, check_recurrent_state_in_cache]
+ENGINE_CHECKS: list[EngineCheck] = [check_has_attention, check_recurrent_state_in_cache]
 
 
 def engine_refusal_reason(model: torch.nn.Module, report: ProbeReport | None) -> str | None:

@@ -113,6 +113,8 @@ def build_model(model_type: str) -> Any:
         model.set_default_language(next(iter(model.config.languages)))
     model.generation_config.pad_token_id = PAD
     model.generation_config.eos_token_id = None  # 12 tokens always, and no EOS masking in the reference
+    model.config.eos_token_id = None  # nor in LLM (which falls back to the config's): no ignore_eos needed, so
+    # generation_config processors that act at the last token (forced_eos_token_id) apply in both
     return model.eval()
 
 
@@ -188,7 +190,7 @@ def _check_llm(model: Any, prompts: list[list[int]], refs: list[tuple[list[list[
         llm = LLM(model, block_size=4, num_blocks=64, max_num_seqs=4, compile=False)
     except UnsupportedModelError as exc:
         return PathResult("refused", str(exc))
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=TOP_LOGPROBS)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     worst, problems = 0.0, []
     for row, (out, (ref_tokens, ref_logits)) in enumerate(zip(outputs, refs, strict=True)):

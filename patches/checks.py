@@ -280,9 +280,12 @@ def transformers_layers(config: Any) -> list[str]:
 
 def probe(model: torch.nn.Module, state: Any) -> ProbeReport:
     """One left-padded prefill of two rows and one decode step through a fresh HFPagedCache, recording
-    what every layer did. The model must be patched (``state`` is its PatchState)."""
-    global _ACTIVE
+    what every layer did (nothing for a model with its own cache class, which generate() never gives
+    a paged cache). The model must be patched (``state`` is its PatchState)."""
     rec = _Recorder(state)
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if callable(supports) and not supports():  # its own cache class: generate() never hands it a paged one,
+        return rec.report  # and LLM refuses it (engine/positions.py): nothing of flashpage's to check
     config = model.config.get_text_config(decoder=True)
     rec.report.transformers_layers = transformers_layers(model.config)
     rec.report.cross_attention_modules = sorted({type(m).__name__ for m in model.modules()

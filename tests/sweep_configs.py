@@ -100,7 +100,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
                      "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]},
     "gemma4_assistant": {"_defaults": {"hidden_size_per_layer_input": 0}, "hidden_size_per_layer_input": 0},
-    "xlstm": {"embedding_dim": 32, "num_blocks": 2, "chunk_size": 64},
+    "xlstm": {"hidden_size": 64, "embedding_dim": 64, "num_heads": 4, "chunk_size": 16, "qk_dim_factor": 1.0},
     "ernie4_5_moe": {"moe_k": 2},
     "mamba2": {"head_dim": 16},
     "reformer": {"is_decoder": True, "axial_pos_embds": False},

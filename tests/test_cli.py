@@ -408,3 +408,37 @@ def test_missing_serve_extra_says_how_to_install_from_a_checkout(capsys: pytest.
     monkeypatch.setitem(sys.modules, "flashpage.serve.server", None)  # as if uvicorn/fastapi were missing
     assert main(["serve"]) == 2
     assert 'pip install -e ".[serve]"' in capsys.readouterr().err
+
+
+def test_readme_cli_synopsis_names_only_real_options() -> None:
+    """Every ``flashpage ...`` line of README's CLI section uses a command and options that exist."""
+    import argparse
+    import re
+
+    from flashpage.cli import build_parser
+
+    def options(parser: argparse.ArgumentParser) -> set[str]:
+        return {o for a in parser._actions for o in a.option_strings}
+
+    def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return dict(action.choices)
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    synopsis = re.search(r"## CLI\n\n```\n(.*?)```", readme, re.S)
+    assert synopsis, "README.md has no CLI synopsis block"
+    parser = build_parser()
+    commands = subparsers(parser)
+    lines = [ln.split("#")[0].split() for ln in synopsis.group(1).splitlines() if ln.startswith("flashpage")]
+    assert {words[1] for words in lines if not words[1].startswith("-")} == set(commands)
+    for words in lines:
+        if words[1].startswith("-"):
+            assert words[1] in options(parser)
+            continue
+        targets = [commands[words[1]]]
+        if words[1] == "bench":
+            benches = subparsers(commands["bench"])
+            targets = [benches[name] for name in words[2].split("|")]
+        used = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", " ".join(words)))
+        for target in targets:
+            assert used <= options(target), f"{' '.join(words)}: {used - options(target)} not accepted"

@@ -181,3 +181,30 @@ def test_models_with_their_own_cache_class_are_refused_by_llm() -> None:
     with pytest.raises(flashpage.UnsupportedModelError, match=r"model_type='xlstm'.*its own cache class"):
         flashpage.LLM(model, num_blocks=8, block_size=4)
     assert not is_patched(model)
+
+
+def test_module_held_recurrent_state_is_refused_by_llm() -> None:
+    """RecurrentGemma keeps its recurrent state in its modules (one row per sequence, reset by each
+    prompt): batched it would mix sequences (logprobs off by 1e-2), so LLM refuses it with the reason."""
+    config = AutoConfig.for_model("recurrent_gemma", vocab_size=128, hidden_size=64, intermediate_size=96,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                  lru_width=64, attention_window_size=8, block_types=["recurrent", "attention"],
+                                  pad_token_id=0, eos_token_id=1)
+    model = model_from_config("recurrent_gemma", config)
+    with pytest.raises(flashpage.UnsupportedModelError, match=r"model_type='recurrent_gemma'.*keep their state in"):
+        flashpage.LLM(model, num_blocks=8, block_size=4)
+    assert not is_patched(model)
+
+
+def test_forced_eos_applies_with_ignore_eos() -> None:
+    """generate() forces EOS at the last position whatever stops it; so does the engine (ignore_eos only
+    says EOS does not end the request)."""
+    model = _llama_with(forced_eos_token_id=5)
+    with torch_threads(1):
+        llm = flashpage.LLM(model, num_blocks=32, block_size=4, max_model_len=64)
+        try:
+            out = llm.generate([[44, 3, 71]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+        finally:
+            unpatch(model)
+    assert len(out.token_ids) == 4 and out.token_ids[-1] == 5

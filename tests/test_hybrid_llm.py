@@ -270,3 +270,13 @@ def test_random_load_with_aborts_preemption_and_forks(models: dict[str, torch.nn
         for sample in out.outputs:
             match = compare_greedy(ref, sample.token_ids, logits)
             assert match.ok, f"request {rid} sample {sample.index}: {match.explain()}"
+
+
+def test_compile_request_warns_and_runs_eagerly(models: dict[str, torch.nn.Module]) -> None:
+    model = _model(models, "lfm2")
+    with pytest.warns(UserWarning, match="recurrent"):
+        llm = LLM(model, num_blocks=32, block_size=4, compile=True)
+    assert llm._compiled is None
+    prompts = random_prompts(2, 4, 6, seed=11)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, logprobs=1), use_tqdm=False)
+    _check(model, prompts, [o.outputs[0] for o in outs], max_new=4)

@@ -272,3 +272,36 @@ def test_a_broken_matcher_ends_only_its_sample(llm, tiny):
         final.update({o.request_id: o for o in llm.step() if o.finished})
     assert final[bad].outputs[0].finish_reason == "abort"
     assert final[good].outputs[0].token_ids == ref
+
+
+def test_a_constraint_is_compiled_once_and_copied_per_sample(llm, tiny):
+    engine = GrammarEngine(tiny[1], llm.vocab_size, [0])
+    spec = StructuredOutputsParams(json=PERSON)
+    a, b = engine.new_matcher(spec), engine.new_matcher(StructuredOutputsParams(json=dict(PERSON)))
+    assert engine.compile(spec) is engine.compile(StructuredOutputsParams(json=PERSON)) and len(engine._matchers) == 1
+    assert a.matcher is not b.matcher
+    assert a.matcher.consume_token(tiny[1]("{")["input_ids"][0])
+    assert b.matcher.compute_bitmask() == engine.compile(spec).compute_bitmask()  # the pristine one never moves
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
+        llm.prepare_structured_outputs(StructuredOutputsParams(regex="(unclosed"))
+
+
+def test_mask_allows_eos_only_where_the_grammar_accepts(tiny):
+    from types import SimpleNamespace
+
+    tok = tiny[1]
+    engine = GrammarEngine(tok, 4096, [0])
+    digit = {d: tok.convert_tokens_to_ids(d) for d in "0123456789"}
+    letter = tok.convert_tokens_to_ids("a")
+    g = engine.new_matcher(StructuredOutputsParams(regex="[0-9]{2,3}"))
+    free = SimpleNamespace(grammar=None)
+    for out, eos_ok, digits_ok in (([], False, True), (["1"], False, True), (["1", "2"], True, True),
+                                   (["1", "2", "3"], True, False)):
+        ids = [digit[d] for d in out]
+        seq = SimpleNamespace(grammar=g, output_ids=ids, num_output=len(ids))
+        logits = torch.zeros(2, 4096)
+        masked = engine.apply(logits, [seq, free])
+        assert torch.equal(masked[1], logits[1])  # the unconstrained row is untouched
+        allowed = masked[0] > float("-inf")
+        assert bool(allowed[0]) is eos_ok, out
+        assert bool(allowed[digit["7"]]) is digits_ok and not bool(allowed[letter]), out

@@ -149,10 +149,10 @@ class ModelProcessors:
 
     @staticmethod
     def _last_token(s: Seq) -> bool:
-        """The next token is the last this sequence may produce (transformers: ``cur_len == max_length - 1``)."""
+        """The next token is the last this sequence may produce (transformers: ``cur_len == max_length - 1``;
+        forced whatever ``ignore_eos`` says, as generate() forces it whatever stops it)."""
         p = s.group.params
-        return not p.ignore_eos and (s.num_output + 1 >= p.max_tokens
-                                     or len(s.token_ids) + 1 >= s.group.max_total_tokens)
+        return s.num_output + 1 >= p.max_tokens or len(s.token_ids) + 1 >= s.group.max_total_tokens
 
 
 def banned_prompt_ngram_tokens(tokens: Sequence[int], num_prompt: int, n: int) -> list[int]:

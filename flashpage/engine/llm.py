@@ -35,7 +35,7 @@ from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
 from flashpage.engine.sequence import Group, Seq
 from flashpage.engine.sizing import KVSizing, plan_kv_pool, pool_warning
 from flashpage.engine.states import StateSlots, recurrent_states_of, restart_from_scratch, stateful_forward
-from flashpage.engine.structured import GrammarEngine
+from flashpage.engine.structured import GrammarEngine, StructuredOutputsParams
 from flashpage.engine.weights import WeightWatcher, forget_kv
 from flashpage.errors import check_positive_ints
 from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
@@ -188,6 +188,7 @@ class LLM:
         self._default_params = self._generation_defaults(generation_config)
         self.max_num_batched_tokens = max_num_batched_tokens
         self._grammar: GrammarEngine | None = None  # made by the first structured-outputs request
+        self._grammar_lock = threading.Lock()
         self._groups: dict[str, Group] = {}
         self._unreported: dict[str, Group] = {}  # add_request()s that finished inside generate()/stream()
         self._ids = itertools.count()
@@ -198,7 +199,11 @@ class LLM:
         self.step_request_ids: tuple[str, ...] = ()  # requests of the latest step (set even when it raises)
         self.check_invariants = check_invariants
         use_compile = default_compile(self.device) and self._tp is None if compile is None else bool(compile)
-        use_compile = use_compile and self._states is None  # the compiled step is the packed [1, T] layout
+        if self._states is not None:  # the compiled step is the packed [1, T] layout
+            if compile:
+                warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} has recurrent (linear-"
+                              "attention / SSM) layers, whose steps run eagerly in [B, L] rows", stacklevel=2)
+            use_compile = False
         self._positions = EnginePositions.install(self.model)  # BART family: positions from the cache length
         self._keeps_logits = honours_logits_to_keep(self.model)  # whisper: logits of every row
         if self._positions is not None or not self._keeps_logits:
@@ -412,9 +417,15 @@ class LLM:
             seq.grammar = self._grammar_engine().new_matcher(params.structured_outputs)
         return group
 
+    def prepare_structured_outputs(self, spec: StructuredOutputsParams) -> None:
+        """Compile a constraint now (thread-safe; ValueError naming the field if it is invalid), so the
+        add_request() that uses it only copies a cached matcher. A server calls it off the engine thread."""
+        self._grammar_engine().compile(spec)
+
     def _grammar_engine(self) -> GrammarEngine:
-        if self._grammar is None:
-            self._grammar = GrammarEngine(self.tokenizer, self.vocab_size, sorted(self.sampler.eos_token_ids))
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarEngine(self.tokenizer, self.vocab_size, sorted(self.sampler.eos_token_ids))
         return self._grammar
 
     def _next_id(self) -> str:

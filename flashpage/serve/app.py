@@ -113,9 +113,15 @@ def _error_response(err: P.APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_REFUSAL_REASONS = {404: "unknown_model", 413: "body_too_large"}  # else "invalid"
+
+
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(P.APIError)
-    async def api_error(_: Request, err: P.APIError) -> JSONResponse:
+    async def api_error(request: Request, err: P.APIError) -> JSONResponse:
+        if request.url.path in _GENERATION_PATHS and err.status < 500:  # a refusal (503s: counted where raised)
+            state.metrics.rejected.count_uncounted(_REFUSAL_REASONS.get(err.status, "invalid"))
         return _error_response(err)
 
     @app.exception_handler(StarletteHTTPException)
@@ -157,6 +163,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         P.check_completion(req)
         _check_model(state, req.model)
         structured = S.request_structured(req)
+        await _prepare(state, structured, S.constraint_param(req))
         params = P.sampling_params(req, P.completion_max_tokens(req), P.completion_logprobs(req),
                                    structured=structured, prompt_logprobs=P.completion_prompt_logprobs(req))
         prompts = P.completion_prompts(req)
@@ -185,6 +192,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         _check_model(state, req.model)
         tools = S.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
         structured = _chat_structured(req, tools)
+        await _prepare(state, structured, S.constraint_param(req, tools))
         ids = await _chat_prompt(state, req, tools)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = limit if limit is not None else max(1, state.max_model_len - len(ids))
@@ -276,6 +284,16 @@ def _chat_structured(req: P.ChatRequest, tools: S.ToolPlan) -> Any:
     return forced or S.request_structured(req)
 
 
+async def _prepare(state: ServerState, spec: Any, param: str) -> None:
+    """Compile a constraint on a worker thread (cached in the engine): a 400 naming ``param`` if it cannot be."""
+    if spec is None:
+        return
+    try:
+        await state.pool.run(lambda _tok: state.engine.llm.prepare_structured_outputs(spec))
+    except ValueError as exc:
+        raise P.APIError(str(exc), param=param) from None
+
+
 def _with_tools(choice: dict[str, Any], tools: S.ToolPlan) -> dict[str, Any]:
     """A chat choice with its text as tool calls where the tool plan makes it one."""
     if tools.mode == "none":
@@ -340,6 +358,11 @@ async def _wait_disconnect(request: Request) -> None:
         await asyncio.sleep(0.2)
 
 
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 async def _collect(request: Request, state: ServerState,
                    streams: list[RequestStream]) -> list[RequestOutput] | None:
     """Every stream's final output (None if the client went away); all are aborted unless finished."""
@@ -356,8 +379,9 @@ async def _collect(request: Request, state: ServerState,
     except EngineClosedError as exc:
         raise P.APIError(str(exc), 503, "service_unavailable") from None
     finally:
-        watcher.cancel()
-        gathered.cancel()
+        for fut in (watcher, gathered):  # a result that lost the race is read here, never logged as
+            fut.cancel()                 # "exception was never retrieved" when the client went away
+            fut.add_done_callback(_retrieve)
         for s in streams:
             if not s.done:
                 state.engine.abort(s.request_id)

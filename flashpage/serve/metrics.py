@@ -9,6 +9,8 @@ delivered, on the engine thread (prometheus_client is thread-safe).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -50,6 +52,37 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(name, doc, value=value)
 
 
+_REFUSAL_COUNTED: ContextVar[bool] = ContextVar("flashpage_refusal_counted", default=False)
+
+
+class _Refusal:
+    def __init__(self, child: Any) -> None:
+        self._child = child
+
+    def inc(self) -> None:
+        self._child.inc()
+        _REFUSAL_COUNTED.set(True)  # this request (asyncio task) is counted: the error handler adds nothing
+
+
+class RefusalCounter:
+    """``flashpage_requests_rejected_total{reason}``: refused requests, each counted once. The route that
+    refuses a request counts it with its own reason (``.labels(reason=...).inc()``); any other refusal an
+    HTTP error handler sees (unparsable body, unknown model, a field out of range) is counted there by
+    :meth:`count_uncounted`, so every refused request shows up."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.counter = Counter("flashpage_requests_rejected", "Requests refused before queueing, by reason.",
+                               ["reason"], registry=registry)
+
+    def labels(self, reason: str) -> _Refusal:
+        return _Refusal(self.counter.labels(reason=reason))
+
+    def count_uncounted(self, reason: str) -> None:
+        """Count the current request under ``reason`` unless its route already counted it."""
+        if not _REFUSAL_COUNTED.get():
+            self.labels(reason).inc()
+
+
 class ServeMetrics:
     """The registry and the recorders the engine front calls."""
 
@@ -67,8 +100,7 @@ class ServeMetrics:
                                 ["finished_reason"], registry=r)
         self.prompt_tokens = Counter("flashpage_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.failed = Counter("flashpage_request_failures", "Requests ended by a failed engine step.", registry=r)
-        self.rejected = Counter("flashpage_requests_rejected", "Requests refused before queueing, by reason.",
-                                ["reason"], registry=r)
+        self.rejected = RefusalCounter(r)
 
     def on_tokens(self, event: TokenEvent) -> None:
         (self.ttft if event.first else self.itl).observe(event.seconds)

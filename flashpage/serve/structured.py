@@ -1,8 +1,9 @@
 """Structured outputs and tool calls in the OpenAI server: ``response_format``, ``structured_outputs``, ``tools``.
 
 A request's constraint becomes ``SamplingParams.structured_outputs`` (see
-:mod:`flashpage.engine.structured`); it is checked here, in the front, so a bad schema is a 400
-naming the field before anything is queued. Tool calls follow vLLM:
+:mod:`flashpage.engine.structured`); the app compiles it on a worker thread before queueing
+(``LLM.prepare_structured_outputs``), so a bad schema is a 400 naming the field (:func:`constraint_param`)
+and neither the event loop nor the engine thread parses a schema. Tool calls follow vLLM:
 
 - ``tools`` are given to the chat template (``apply_chat_template(..., tools=...)``);
 - ``tool_choice={"type": "function", "function": {"name": N}}``: the output is forced to N's
@@ -24,7 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashpage.engine.structured import StructuredOutputsParams, grammar_text
+from flashpage.engine.structured import StructuredOutputsParams
 from flashpage.serve.protocol import APIError
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -75,10 +76,15 @@ def structured_from(response_format: dict[str, Any] | None, structured_outputs: 
     fmt = _response_format(response_format) if response_format is not None else None
     if spec is not None and fmt is not None:
         raise APIError("give 'response_format' or 'structured_outputs', not both", param="response_format")
-    spec = spec or fmt
-    if spec is not None:
-        check(spec, "structured_outputs" if structured_outputs is not None else "response_format")
-    return spec
+    return spec or fmt
+
+
+def constraint_param(req: Any, plan: ToolPlan | None = None) -> str:
+    """The request field a constraint came from (named in a 400 when it cannot be compiled)."""
+    if plan is not None and plan.mode in ("named", "required"):
+        return "tool_choice" if plan.mode == "named" else "tools"
+    guided = any(getattr(req, f"guided_{k}", None) is not None for k in _GUIDED)
+    return "structured_outputs" if req.structured_outputs is not None or guided else "response_format"
 
 
 def _structured_outputs(fields: dict[str, Any]) -> StructuredOutputsParams:
@@ -117,19 +123,6 @@ def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams | None:
         raise APIError("'response_format.json_schema.name' must be 1-64 letters, digits, '_' or '-'",
                        param="response_format.json_schema.name")
     return StructuredOutputsParams(json=schema)  # strict or not, the schema is enforced (as vLLM does)
-
-
-def check(spec: StructuredOutputsParams, param: str) -> None:
-    """A 400 naming ``param`` when the schema / regex / grammar cannot be compiled (no tokenizer needed)."""
-    try:
-        grammar = grammar_text(spec)
-        from llguidance import LLMatcher
-
-        error = LLMatcher.validate_grammar(grammar)
-    except ValueError as exc:
-        raise APIError(str(exc), param=param) from None
-    if error and not error.startswith("WARNING"):
-        raise APIError(f"{param}: the {spec.kind} cannot be used: {error.strip()}", param=param)
 
 
 def _param(message: str, default: str) -> str:
@@ -191,7 +184,6 @@ def tool_constraint(plan: ToolPlan) -> StructuredOutputsParams | None:
         spec = StructuredOutputsParams(json=schema)
     else:
         return None
-    check(spec, "tools" if plan.mode == "required" else "tool_choice")
     return spec
 
 

@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                            ("engine", "LLM vs HF generate() and HF continuous batching"),
                            ("hotpath", "per-layer overhead: eager/compiled generate(), LLM(compile=True)"),
                            ("tp", "tensor parallel: per-rank KV memory and throughput, 1 and 2 ranks"),
-                           ("sampler", "one sampling step (top-k/top-p/min-p) vs transformers' warpers")):
+                           ("sampler", "one sampling step (top-k/top-p/min-p) vs transformers' warpers"),
+                           ("breakdown", "where an LLM step's time goes (torch.profiler)")):
         b = bsub.add_parser(name, help=helptext)
         b.add_argument("--json", action="store_true", help="print JSON")
         b.add_argument("--plot", metavar="FILE.png", default=None, help="also write a plot")
@@ -195,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
             _add_against(b)
         if name in ("generate", "engine", "tp"):
             _add_model(b, BENCH_MODEL)
+        if name == "breakdown":
+            b.add_argument("--workload", choices=("mixed", "shared-prefix"), default="mixed")
+            _add_model(b, BENCH_MODEL)
+            b.add_argument("--vllm-python", default=None, metavar="PATH",
+                           help="also profile vLLM (its interpreter), same model and requests")
         if name == "tp":
             b.add_argument("--tp-sizes", default="1,2",
                            help="rank counts to run, each under its own torchrun on this machine (default 1,2); "

@@ -442,3 +442,13 @@ def test_readme_cli_synopsis_names_only_real_options() -> None:
         used = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", " ".join(words)))
         for target in targets:
             assert used <= options(target), f"{' '.join(words)}: {used - options(target)} not accepted"
+
+
+def test_missing_extra_messages_work_from_a_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flashpage is installed from its repository: `pip install 'flashpage[X]'` would not find it on PyPI."""
+    from flashpage.engine.structured import _llguidance
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    with pytest.raises(ValueError, match=r'pip install llguidance \(from a flashpage checkout: pip install -e '
+                                         r'"\.\[structured\]"\)'):
+        _llguidance()

@@ -1,4 +1,4 @@
-"""`flashpage bench {kernels,generate,engine,hotpath,tp,sampler}`: run one benchmark, print text or JSON, maybe plot.
+"""`flashpage bench {kernels,generate,engine,hotpath,tp,sampler,breakdown}`: run one benchmark, print it.
 
 Progress goes to stderr, so ``--json`` output on stdout is one JSON document. The exit code is 0
 when the outputs agree (and, for generate, the paged KV stays within its bound); speed never
@@ -13,6 +13,8 @@ import argparse
 import json
 import sys
 from typing import Any
+
+from flashpage.errors import install_hint
 
 
 def _kernels(args: argparse.Namespace) -> dict[str, Any]:
@@ -57,6 +59,13 @@ def _hotpath(args: argparse.Namespace) -> dict[str, Any]:
     return hotpath.run(quick=args.quick)
 
 
+def _breakdown(args: argparse.Namespace) -> dict[str, Any]:
+    from flashpage.bench import breakdown
+
+    return breakdown.run(workload=args.workload, model_name=args.model, quick=args.quick,
+                         vllm_python=args.vllm_python)
+
+
 def _sampler(args: argparse.Namespace) -> dict[str, Any]:
     from flashpage.bench import sampler
 
@@ -75,6 +84,8 @@ def _tp(args: argparse.Namespace) -> dict[str, Any]:
 def _format(name: str, result: dict[str, Any]) -> str:
     if name == "tp":
         from flashpage.bench.tp import format_report
+    elif name == "breakdown":
+        from flashpage.bench.breakdown import format_report
     elif name == "sampler":
         from flashpage.bench.sampler import format_report
     elif name == "hotpath":
@@ -91,7 +102,7 @@ def _format(name: str, result: dict[str, Any]) -> str:
 
 
 _RUNNERS = {"kernels": _kernels, "generate": _generate, "engine": _engine, "hotpath": _hotpath, "tp": _tp,
-            "sampler": _sampler}
+            "sampler": _sampler, "breakdown": _breakdown}
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -115,7 +126,7 @@ def run_bench(args: argparse.Namespace) -> int:
         try:
             write_plot(name, result, plot_path)
         except ImportError as exc:
-            print(f"flashpage bench: --plot needs matplotlib ({exc}); pip install 'flashpage[plot]'",
+            print(f"flashpage bench: --plot needs matplotlib ({exc}); {install_hint('matplotlib', 'plot')}",
                   file=sys.stderr)
             return 1
         print(f"[bench {name}] plot written to {plot_path}", file=sys.stderr)

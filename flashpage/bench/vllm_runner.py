@@ -26,9 +26,79 @@ def _threads_env(threads: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
+# (class path, method, label): labelled regions for ``profile`` (the engine in this process)
+_REGIONS = (("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "vl::schedule"),
+            ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs", "vl::schedule"),
+            ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward", "vl::model"),
+            ("vllm.v1.sample.sampler", "Sampler", "forward", "vl::sampler"))
+_LINEAR_OPS = ("mm", "addmm", "linear", "matmul", "bmm", "gemm", "onednn", "mkldnn", "dnnl")
+
+
+def _label_regions() -> None:
+    import functools
+    import importlib
+
+    import torch
+
+    for module, cls_name, method, label in _REGIONS:
+        cls = getattr(importlib.import_module(module), cls_name)
+        fn = getattr(cls, method)
+
+        def wrapper(*args, _fn=fn, _label=label, **kwargs):
+            with torch.profiler.record_function(_label):
+                return _fn(*args, **kwargs)
+        setattr(cls, method, functools.wraps(fn)(wrapper))
+
+
+def _category(name: str, region: str | None) -> str:
+    low = name.lower()
+    if region == "vl::sampler":
+        return "sampler"
+    if region == "vl::schedule":
+        return "scheduler + inputs"
+    if region == "vl::model":
+        if "attention" in low or "attn" in low or "paged" in low:
+            return "attention"
+        if any(op in low.split("::")[-1] for op in _LINEAR_OPS):
+            return "linears"
+        return "norms/rotary/activations"  # what else runs in the model: fused elementwise kernels
+    return "other ops"
+
+
+def _attribute(events, wall_us: float) -> dict:
+    """Self CPU time per category (innermost vl:: label); the model region's own time (compiled
+    kernels that the profiler does not name, guards) counts as norms/rotary/activations; python =
+    wall time left over."""
+    totals = {k: 0.0 for k in ("linears", "attention", "norms/rotary/activations", "sampler",
+                               "scheduler + inputs", "other ops", "python")}
+    for evt in events:
+        if evt.name.startswith("ProfilerStep"):
+            continue
+        if evt.name.startswith("vl::"):
+            child_time = sum(c.cpu_time_total for c in evt.cpu_children)
+            own = max(evt.cpu_time_total - child_time, 0.0)
+            if evt.name == "vl::model":
+                totals["norms/rotary/activations"] += own
+            continue
+        region, parent = None, evt.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("vl::"):
+                region = parent.name
+                break
+            parent = parent.cpu_parent
+        totals[_category(evt.name, region)] += evt.self_cpu_time_total
+    totals["python"] = max(wall_us - sum(totals.values()), 0.0)
+    return totals
+
+
 def measure(spec: dict) -> dict:
-    """Load vLLM on ``spec['model']``, warm up, time one ``generate`` of every request."""
+    """Load vLLM on ``spec['model']``, warm up, time one ``generate`` of every request (``profile``:
+    the engine in this process, the timed call under torch.profiler with labelled regions)."""
     _threads_env(int(spec["threads"]))
+    profile = bool(spec.get("profile"))
+    if profile:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        _label_regions()
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -44,11 +114,22 @@ def measure(spec: dict) -> dict:
 
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["warm_prompts"]], params(4), use_tqdm=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-    start = time.perf_counter()
-    outs = llm.generate(prompts, [params(n) for n in spec["max_tokens"]], use_tqdm=False)
-    seconds = time.perf_counter() - start
+    categories = None
+    if profile:
+        import torch
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            outs = llm.generate(prompts, [params(n) for n in spec["max_tokens"]], use_tqdm=False)
+            seconds = time.perf_counter() - start
+        categories = _attribute(prof.events(), seconds * 1e6)
+    else:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, [params(n) for n in spec["max_tokens"]], use_tqdm=False)
+        seconds = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     return {"tokens": tokens, "seconds": seconds, "output_tokens": sum(len(t) for t in tokens),
+            "categories_us": categories,
             "vllm_version": vllm.__version__,
             "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
             "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")}

@@ -135,6 +135,17 @@ def run_vllm(python: str, spec: dict[str, Any], workdir: Path, timeout: float = 
     return json.loads(out_path.read_text())
 
 
+def make_spec(bm: Any, work: Any, settings: Settings, model_dir: str, num_blocks: int, max_model_len: int,
+              seed: int = 0, profile: bool = False) -> dict[str, Any]:
+    """What vllm_runner.py reads: the checkpoint, the requests and the settings (see its docstring)."""
+    return {"model": model_dir, "prompts": work.prompts, "max_tokens": work.max_tokens,
+            "warm_prompts": _warm_prompts(bm.vocab_size, seed), "max_num_seqs": settings.max_num_seqs,
+            "max_num_batched_tokens": settings.max_num_batched_tokens,
+            "enable_prefix_caching": settings.enable_prefix_caching, "block_size": settings.block_size,
+            "dtype": settings.dtype, "kv_cache_memory_bytes": num_blocks * _kv_bytes_per_token(bm.model)
+            * settings.block_size, "max_model_len": max_model_len, "threads": settings.threads, "profile": profile}
+
+
 def _log(msg: str) -> None:
     print(f"[bench engine --against vllm] {msg}", file=sys.stderr, flush=True)
 
@@ -168,13 +179,7 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
         if model_dir is None:
             model_dir = str(workdir / "model")
             bm.model.save_pretrained(model_dir)  # vLLM loads the very weights flashpage runs
-        bytes_per_block = _kv_bytes_per_token(bm.model) * settings.block_size
-        spec = {"model": model_dir, "prompts": work.prompts, "max_tokens": work.max_tokens,
-                "warm_prompts": _warm_prompts(bm.vocab_size, seed), "max_num_seqs": settings.max_num_seqs,
-                "max_num_batched_tokens": settings.max_num_batched_tokens,
-                "enable_prefix_caching": settings.enable_prefix_caching, "block_size": settings.block_size,
-                "dtype": settings.dtype, "kv_cache_memory_bytes": num_blocks * bytes_per_block,
-                "max_model_len": max_model_len, "threads": settings.threads}
+        spec = make_spec(bm, work, settings, model_dir, num_blocks, max_model_len, seed)
         fp_runs: list[float] = []
         vl_runs: list[float] = []
         fp_tokens: list[list[int]] = []

@@ -27,6 +27,7 @@ from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load
 from flashpage.engine.generation_config import ModelProcessors, config_diff, sampling_defaults, unapplied_fields
 from flashpage.engine.generation_config import check_mode as check_generation_mode
 from flashpage.engine.limits import context_overflow
+from flashpage.engine.linears import install_onednn_linears, onednn_scope
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.positions import EnginePositions, honours_logits_to_keep, kept_rows
@@ -211,6 +212,8 @@ class LLM:
                 warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} takes positions or logits "
                               "rows in its own way; its steps run eagerly", stacklevel=2)
             use_compile = False
+        # CPU float32: linears through oneDNN inside the engine's eager forwards (engine/linears.py)
+        self._onednn = self.device.type == "cpu" and install_onednn_linears(self.model) > 0
         self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
             if use_compile else None
         self._weights = WeightWatcher(self.model)  # KV of older weights is dropped, never reused (weights.py)
@@ -569,7 +572,7 @@ class LLM:
                 self._cache.set_plan(plan, self.device)
                 position_ids = torch.tensor([pos], device=self.device)
                 keep_rows = torch.tensor(keep, dtype=torch.long, device=self.device)
-                with torch.inference_mode(), self._positions_for(position_ids):
+                with torch.inference_mode(), self._positions_for(position_ids), onednn_scope(self._onednn):
                     logits = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=position_ids,
                                         use_cache=True, logits_to_keep=keep_rows,
                                         **{self._cache_kwarg: self._cache}).logits[0]

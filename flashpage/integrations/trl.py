@@ -37,10 +37,11 @@ from flashpage.cache import default_block_size
 from flashpage.engine.llm import LLM
 from flashpage.engine.outputs import RequestOutput
 from flashpage.engine.params import SamplingParams
+from flashpage.errors import install_hint
 from flashpage.patches import is_patched, unpatch
 
 MIN_TRL = "1.0.0"
-_INSTALL = "pip install 'flashpage[rl]' (TRL >= 1.0)"
+_INSTALL = install_hint("'trl>=1.0' peft", "rl")
 # generation_kwargs (GRPOConfig.generation_kwargs) that map onto SamplingParams; others are refused
 _KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",

@@ -98,7 +98,10 @@ class FlashpageRollout:
             else keep the engine and its pool for the next rollout (rebuilt when a rollout needs more).
         block_size: tokens per KV page (default: flashpage's for the model's device).
         max_num_batched_tokens: tokens per engine step at most (long prompt batches are chunked).
-        compile: ``LLM(compile=...)`` (default: on for CUDA, off on CPU).
+        compile: ``LLM(compile=...)``; default off: with ``release_kv`` every rollout makes a new engine,
+            whose compiled graphs (CUDA graphs included) would be built again each time and would keep
+            the released pool alive. ``compile=None`` takes LLM's default (on for CUDA); best with
+            ``release_kv=False``.
         logprobs: "trainer" (default): ``log_softmax(logits / temperature)`` of each sampled token, what
             GRPOTrainer recomputes; "raw": ``log_softmax(logits)``.
     """
@@ -106,7 +109,7 @@ class FlashpageRollout:
     release_kv: bool = True
     block_size: int | None = None
     max_num_batched_tokens: int = 4096
-    compile: bool | None = None
+    compile: bool | None = False
     logprobs: str = "trainer"
     stats: RolloutStats = field(default_factory=RolloutStats)
     _llm: LLM | None = field(default=None, repr=False)

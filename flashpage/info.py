@@ -4,13 +4,13 @@ kernel each entry point takes here and why."""
 from __future__ import annotations
 
 import platform
+import sys
 from importlib import metadata
 from typing import Any
 
 import torch
 
 from flashpage.cache import default_block_size
-from flashpage.engine.compiled import default_compile
 from flashpage.kernels import backend_info, dispatch
 
 
@@ -21,15 +21,29 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _compiled_decode() -> dict[str, bool | str]:
+    """Whether LLM compiles decode steps by default, per device (the engine needs a supported transformers)."""
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    try:
+        from flashpage.engine.compiled import default_compile
+    except ImportError as exc:  # flashpage.patches refuses this transformers: info still reports the rest
+        return {d: f"unavailable ({type(exc).__name__})" for d in devices}
+    return {d: default_compile(torch.device(d)) for d in devices}
+
+
 def _support() -> list[dict[str, Any]]:
     """transformers and torch against the supported range (``flashpage.patches.compat``)."""
+    reason = "flashpage.patches could not be imported"
     try:
-        from flashpage.patches.compat import support_status
-    except Exception as exc:  # the patches refuse to import on this transformers: say why
+        from flashpage.patches import compat
+    except Exception as exc:  # the patches refuse this transformers; their version module is loaded by then
+        compat = sys.modules.get("flashpage.patches.compat")
+        reason = str(exc)
+    if compat is None:
         return [{"name": "transformers", "version": _version("transformers"), "required": "see reason",
-                 "supported": False, "summary": f"transformers {_version('transformers')}: NOT supported ({exc})"}]
+                 "supported": False, "summary": f"transformers {_version('transformers')}: NOT supported ({reason})"}]
     return [{"name": s.name, "version": s.version, "required": s.required, "supported": s.supported,
-             "summary": s.describe()} for s in support_status()]
+             "summary": s.describe()} for s in compat.support_status()]
 
 
 def _devices() -> list[str]:
@@ -68,12 +82,13 @@ def collect_info() -> dict[str, Any]:
         "default_block_size": {d: default_block_size(d) for d in (["cpu", "cuda"] if torch.cuda.is_available()
                                                                    else ["cpu"])},
         "kernels": kernels,
-        "compiled_decode": {d: default_compile(torch.device(d)) for d in (["cpu", "cuda"] if torch.cuda.is_available()
-                                                                         else ["cpu"])},
+        "compiled_decode": _compiled_decode(),
     }
 
 
-def _compile_label(device: str, on: bool) -> str:
+def _compile_label(device: str, on: bool | str) -> str:
+    if isinstance(on, str):  # why it is unknown
+        return on
     if not on:
         return "off (LLM(compile=True) to opt in)"
     return "on (CUDA graphs)" if device == "cuda" else "on"

@@ -88,6 +88,7 @@ class ProbeReport:
         calls: every attention call, in order.
         error: the exception the probe forward raised, if any.
         kv_shapes: per layer index, (KV heads, key head dim, value head dim) of what it stored.
+        layer_out_of_range: a layer index the model stored K/V under that its config does not have.
         state_layers / state_layers_used: the cache's recurrent-state layers, and those the model
             wrote a state into (a model that keeps its recurrent state itself uses none).
         causal_by_mask: attention modules that say ``is_causal=False`` but are handed a causal mask
@@ -100,6 +101,7 @@ class ProbeReport:
     calls: list[AttentionCall] = field(default_factory=list)
     kv_shapes: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     cross_attention_modules: list[str] = field(default_factory=list)
+    layer_out_of_range: int | None = None
     state_layers: list[int] = field(default_factory=list)
     state_layers_used: list[int] = field(default_factory=list)
     causal_by_mask: list[torch.nn.Module] = field(default_factory=list)
@@ -116,6 +118,7 @@ class _Recorder:
         self.report = ProbeReport()
         self.returned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.masks: dict[int, tuple[str, int]] = {}
+        self.kept: list[Any] = []
 
     def start_forward(self) -> None:
         self.report.updates.append(Counter())
@@ -193,6 +196,7 @@ def _recording_mask(*args: Any, **kwargs: Any) -> Any:
     if rec is not None and mask is not None and local:
         creator = sys._getframe(1).f_code.co_name
         rec.masks[id(mask)] = ("chunked" if "chunk" in creator else "sliding", int(local))
+        rec.kept.append(mask)  # alive until the probe ends: a freed mask's id could be reused by another tensor
     return mask
 
 
@@ -202,6 +206,8 @@ class _ProbeCache(HFPagedCache):
     recorder: _Recorder | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        if self.recorder is not None and not 0 <= layer_idx < self.num_layers:
+            self.recorder.report.layer_out_of_range = layer_idx
         key, value = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if self.recorder is not None:
             self.recorder.updated(layer_idx, (key_states, value_states), key, value)
@@ -319,6 +325,15 @@ def probe(model: torch.nn.Module, state: Any) -> ProbeReport:
 Check = Callable[[ProbeReport, Any, Any], str | None]
 
 
+def check_layer_indices(report: ProbeReport, config: Any, family: Any) -> str | None:
+    """Every layer stores its K/V under an index the config has (looped layers, e.g. Dory's, run the same
+    layers again under new indices)."""
+    if report.layer_out_of_range is not None:
+        return (f"it stores K/V under layer index {report.layer_out_of_range}, beyond the "
+                f"{getattr(config, 'num_hidden_layers', '?')} layers of its config (looped / recurrent-depth layers)")
+    return None
+
+
 def check_probe_forward(report: ProbeReport, config: Any, family: Any) -> str | None:
     """The forward must run under flashpage's cache (a missing cache method, unsupported layer state...)."""
     exc = report.error
@@ -434,9 +449,9 @@ def check_causality(report: ProbeReport, config: Any, family: Any) -> str | None
     return None
 
 
-CHECKS: list[Check] = [check_cross_attention, check_probe_forward, check_causality, check_layers_run_once,
-                       check_attention_has_own_kv, check_attention_through_interface, check_attention_arguments,
-                       check_windows]
+CHECKS: list[Check] = [check_cross_attention, check_layer_indices, check_probe_forward, check_causality,
+                       check_layers_run_once, check_attention_has_own_kv, check_attention_through_interface,
+                       check_attention_arguments, check_windows]
 
 
 def refusal_reason(report: ProbeReport, config: Any, family: Any) -> str | None:

@@ -208,3 +208,13 @@ def test_forced_eos_applies_with_ignore_eos() -> None:
         finally:
             unpatch(model)
     assert len(out.token_ids) == 4 and out.token_ids[-1] == 5
+
+
+def test_decoders_that_take_position_ids_get_no_hooks() -> None:
+    """OPT's positional embedding also takes a cache length, but OPT honours the caller's position_ids:
+    no hook (its steps may compile); BART's decoder takes none: hooked."""
+    from flashpage.engine.positions import EnginePositions, cache_position_modules
+
+    opt = tiny_model("opt")
+    assert cache_position_modules(opt) and EnginePositions.install(opt) is None
+    assert EnginePositions.install(_decoder("bart")) is not None

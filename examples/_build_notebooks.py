@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 EXAMPLES_DIR = Path(__file__).resolve().parent
-EXAMPLES = ("quickstart", "continuous_batching", "prefix_caching", "kernel_level")
+EXAMPLES = ("quickstart", "continuous_batching", "prefix_caching", "kernel_level", "grpo_trl")
 
 _MARKER = re.compile(r"^# %%(?P<rest>.*)$")
 _TAGS = re.compile(r"tags\s*=\s*(?P<tags>\[[^\]]*\])")

@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                            ("hotpath", "per-layer overhead: eager/compiled generate(), LLM(compile=True)"),
                            ("tp", "tensor parallel: per-rank KV memory and throughput, 1 and 2 ranks"),
                            ("sampler", "one sampling step (top-k/top-p/min-p) vs transformers' warpers"),
-                           ("breakdown", "where an LLM step's time goes (torch.profiler)")):
+                           ("breakdown", "where an LLM step's time goes (torch.profiler)"),
+                           ("rl", "GRPO rollouts: flashpage vs TRL generate() and continuous batching (needs trl)")):
         b = bsub.add_parser(name, help=helptext)
         b.add_argument("--json", action="store_true", help="print JSON")
         b.add_argument("--plot", metavar="FILE.png", default=None, help="also write a plot")
@@ -196,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
             _add_against(b)
         if name in ("generate", "engine", "tp"):
             _add_model(b, BENCH_MODEL)
+        if name == "rl":
+            _add_model(b)  # the built-in tiny model: GRPO needs a tokenizer
         if name == "breakdown":
             b.add_argument("--workload", choices=("mixed", "shared-prefix"), default="mixed")
             _add_model(b, BENCH_MODEL)

@@ -10,6 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 
+def install_hint(packages: str, extra: str) -> str:
+    """How to install an optional extra, in commands that work where flashpage came from: the
+    packages themselves, or the extra from a checkout (flashpage is installed from its repository)."""
+    return f'pip install {packages} (from a flashpage checkout: pip install -e ".[{extra}]")'
+
+
 def check_positive_ints(prefix: str, values: Mapping[str, object], allowed: str = "a positive int") -> None:
     """Raise ``ValueError("{prefix}{name} must be {allowed}, got {value!r}")`` for the first value
     that is not an int >= 1 (bools do not count as ints). Callers leave out values meaning "default"."""

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from importlib import metadata
 from typing import Any
 
 import torch
 
 from flashpage.cache import default_block_size
-from flashpage.engine.compiled import default_compile
 from flashpage.kernels import backend_info, dispatch
 
 
@@ -22,15 +22,29 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _compiled_decode() -> dict[str, bool | str]:
+    """Whether LLM compiles decode steps by default, per device (the engine needs a supported transformers)."""
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    try:
+        from flashpage.engine.compiled import default_compile
+    except ImportError as exc:  # flashpage.patches refuses this transformers: info still reports the rest
+        return {d: f"unavailable ({type(exc).__name__})" for d in devices}
+    return {d: default_compile(torch.device(d)) for d in devices}
+
+
 def _support() -> list[dict[str, Any]]:
     """transformers and torch against the supported range (``flashpage.patches.compat``)."""
+    reason = "flashpage.patches could not be imported"
     try:
-        from flashpage.patches.compat import support_status
-    except Exception as exc:  # the patches refuse to import on this transformers: say why
+        from flashpage.patches import compat
+    except Exception as exc:  # the patches refuse this transformers; their version module is loaded by then
+        compat = sys.modules.get("flashpage.patches.compat")
+        reason = str(exc)
+    if compat is None:
         return [{"name": "transformers", "version": _version("transformers"), "required": "see reason",
-                 "supported": False, "summary": f"transformers {_version('transformers')}: NOT supported ({exc})"}]
+                 "supported": False, "summary": f"transformers {_version('transformers')}: NOT supported ({reason})"}]
     return [{"name": s.name, "version": s.version, "required": s.required, "supported": s.supported,
-             "summary": s.describe()} for s in support_status()]
+             "summary": s.describe()} for s in compat.support_status()]
 
 
 def _devices() -> list[str]:
@@ -70,26 +84,29 @@ def collect_info() -> dict[str, Any]:
                                                                    else ["cpu"])},
         "kernels": kernels,
         "cpu_threads": _threads(),
-        "compiled_decode": {d: default_compile(torch.device(d)) for d in (["cpu", "cuda"] if torch.cuda.is_available()
-                                                                         else ["cpu"])},
+        "compiled_decode": _compiled_decode(),
     }
 
 
 def _threads() -> dict[str, Any]:
     """torch's intra-op threads, who set them, the cores this process may use, and the CPU linears."""
-    from flashpage.engine.linears import ENV, onednn_available
-
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 0
+    try:
+        from flashpage.engine.linears import ENV, onednn_available
+    except ImportError as exc:  # the engine needs a supported transformers
+        linears = f"unavailable ({type(exc).__name__})"
+    else:
+        linears = "oneDNN in LLM steps" if onednn_available() else f"torch F.linear ({ENV}=torch or no oneDNN)"
     return {"torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "usable_cores": cores,
-            "cpu_linears": "oneDNN in LLM steps" if onednn_available()
-            else f"torch F.linear ({ENV}=torch or no oneDNN)"}
+            "usable_cores": cores, "cpu_linears": linears}
 
 
-def _compile_label(device: str, on: bool) -> str:
+def _compile_label(device: str, on: bool | str) -> str:
+    if isinstance(on, str):  # why it is unknown
+        return on
     if not on:
         return "off (LLM(compile=True) to opt in)"
     return "on (CUDA graphs)" if device == "cuda" else "on"

@@ -6,6 +6,10 @@ Gemma2's ``softcap``, GPT-OSS's ``s_aux`` sinks). A family needs an adapter modu
 bypasses that interface or caches something other than per-head K/V; those modules register a
 :class:`FamilySpec` here.
 
+Models whose attention receives K/V other than the cache returned (MLA latents expanded after the
+cache, see ``deepseek.py``; DiffLlama; JetMoE) are recognised by ``checks.py`` at patch time, by what
+they do, and go to the dense view: no per-type registration.
+
 GPT-NeoX calls ``cache.update`` without ``kwargs``: flashpage plans each forward from a hook and
 finds the cache through the module, never through ``kwargs``, so it needs no adapter.
 """
@@ -45,7 +49,7 @@ def register_family(spec: FamilySpec) -> FamilySpec:
 
 def family_for(model_type: str) -> FamilySpec:
     """The spec for ``model_type`` (the generic one when no adapter exists)."""
-    from flashpage.patches import bloom, deepseek, falcon, gpt_oss  # noqa: F401  (register adapters)
+    from flashpage.patches import bloom, falcon, gpt_oss  # noqa: F401  (register adapters)
 
     return _FAMILIES.get(model_type, GENERIC)
 

@@ -24,8 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from flashpage.errors import check_positive_ints
+from flashpage.patches import checks
 from flashpage.patches.attention import ATTN_NAME, register
 from flashpage.patches.compat import cache_kwarg, require_supported_transformers
+from flashpage.patches.deepseek import NOTE as MLA_NOTE
+from flashpage.patches.deepseek import is_mla
 from flashpage.patches.families import FamilySpec, family_for
 from flashpage.patches.hf_cache import HFPagedCache
 
@@ -49,6 +52,8 @@ class PatchState:
     planner: torch.nn.Module | None = None  # the hooked module whose forward is in flight
     user_prepare_override: Any = None  # an instance-level _prepare_cache_for_generation we replaced
     user_set_attn: Any = None  # an instance-level set_attn_implementation we replaced
+    report: checks.ProbeReport | None = None  # what the probe forward saw (checks.py)
+    restore: list[tuple[Any, str, Any]] = field(default_factory=list)  # (object, attribute, value) for unpatch
 
 
 class UnsupportedModelError(TypeError):
@@ -76,6 +81,18 @@ def patch(model: torch.nn.Module, **cache_options: Any) -> torch.nn.Module:
     register()
     state = PatchState(family=family, cache_options=dict(cache_options),
                        previous_attn=getattr(model.config, "_attn_implementation", None), root=model)
+    _install(model, state)
+    try:
+        state.family = _checked_family(model, state)
+    except BaseException:
+        unpatch(model)
+        raise
+    return model
+
+
+def _install(model: torch.nn.Module, state: PatchState) -> None:
+    """Select flashpage's attention, hook the forwards and generate()'s cache choice."""
+    family = state.family
     if family.set_attention:
         model.set_attn_implementation(ATTN_NAME)
     for module in model.modules():
@@ -89,7 +106,56 @@ def patch(model: torch.nn.Module, **cache_options: Any) -> torch.nn.Module:
         state.user_set_attn = vars(model).get("set_attn_implementation")
         model.set_attn_implementation = MethodType(_switch_attention, model)
     setattr(model, _STATE_ATTR, state)
-    return model
+
+
+_CHECKED_ATTR = "_flashpage_checked"  # the family the probe settled on, kept across unpatch (checks run once)
+
+
+def _checked_family(model: torch.nn.Module, state: PatchState) -> FamilySpec:
+    """Run the checks of ``checks.py`` once per model: the family to use, or UnsupportedModelError.
+
+    A model whose attention receives K/V other than the ones the cache returned goes to the dense view."""
+    cached = vars(model).get(_CHECKED_ATTR)
+    if cached is not None:
+        state.report = cached[1]
+        _make_causal(state, cached[1].causal_by_mask)
+        return cached[0]
+    family = state.family
+    report = checks.probe(model, state)
+    if report.causal_by_mask:  # is_causal=False modules handed a causal mask: the mask is what transformers applies
+        fixed = report.causal_by_mask
+        _make_causal(state, fixed)
+        report = checks.probe(model, state)
+        report.causal_by_mask = fixed
+    transformed = checks.kv_transformed(report) if family.path == "interface" and report.error is None else []
+    if transformed:
+        mla = any(is_mla(m) for m in model.modules() if getattr(m, "layer_idx", None) in transformed)
+        note = MLA_NOTE if mla else (f"K/V transformed after cache.update (layers {transformed}): attention on "
+                                     "what the model hands it, read back densely from the pages")
+        family = FamilySpec(family.model_type, "dense-view", family.set_attention, note)
+        state.family = family
+        report = checks.probe(model, state)
+    reason = checks.refusal_reason(report, model.config.get_text_config(decoder=True), family)
+    if reason is not None:
+        raise UnsupportedModelError(_refusal(model, reason))
+    state.report = report
+    model.__dict__[_CHECKED_ATTR] = (family, report)
+    return family
+
+
+def _make_causal(state: PatchState, modules: list[torch.nn.Module]) -> None:
+    for module in modules:
+        if not any(obj is module and name == "is_causal" for obj, name, _ in state.restore):
+            state.restore.append((module, "is_causal", module.is_causal))
+        module.is_causal = True
+
+
+def _refusal(model: torch.nn.Module, reason: str) -> str:
+    config = model.config
+    text_type = config.get_text_config(decoder=True).model_type
+    inner = f" (text model {text_type!r})" if text_type != config.model_type else ""
+    return (f"flashpage cannot patch {type(model).__name__} (model_type={config.model_type!r}{inner}) exactly: "
+            f"{reason}. Use it unpatched.")
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
@@ -99,6 +165,8 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         return model
     for handle in state.hooks:
         handle.remove()
+    for obj, name, value in reversed(state.restore):
+        setattr(obj, name, value)
     if "set_attn_implementation" in vars(model):
         del model.set_attn_implementation
     if state.user_set_attn is not None:
@@ -168,8 +236,9 @@ def _family_of(model: torch.nn.Module) -> FamilySpec:
     text_config = config.get_text_config(decoder=True)
     family = family_for(text_config.model_type)
     if family.set_attention and not model._can_set_attn_implementation():
+        inner = f" (text model {text_config.model_type!r})" if text_config.model_type != config.model_type else ""
         raise UnsupportedModelError(
-            f"flashpage cannot patch {name} (model_type={text_config.model_type!r}): its attention does not go "
+            f"flashpage cannot patch {name} (model_type={config.model_type!r}{inner}): its attention does not go "
             "through transformers' AttentionInterface and flashpage has no adapter for it. Use it unpatched, "
             "or add an adapter module in flashpage/patches (see patches/falcon.py).")
     return family

@@ -56,10 +56,20 @@ HYBRIDS: dict[str, dict[str, Any]] = {
              "layer_types": ["conv", "sliding_attention", _A, "conv"]},
     "lara_mini": {**_BASE, **_GATED_DELTA, "sliding_window": 6, "layer_types": [_L, "sliding_attention", _A],
                   **_MOE},
+    "kimi_linear": {**_BASE, "layer_types": [_L, _A, _L], "num_key_value_heads": 4, "kv_lora_rank": 16,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "linear_head_dim": 16,
+                    "linear_num_heads": 4, "linear_conv_kernel_dim": 4, "moe_intermediate_size": 32,
+                    "num_local_experts": 4, "num_experts_per_tok": 2, "mlp_layer_types": ["dense", "sparse", "sparse"]},
+    "bailing_hybrid": {**_BASE, "layer_types": [_L, _A, _L], "num_key_value_heads": 4, "kv_lora_rank": 16,
+                       "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 16,
+                       "moe_intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+                       "topk_group": 1, "first_k_dense_replace": 1, "mlp_layer_types": ["dense", "sparse", "sparse"],
+                       "num_mtp_layers": 0},
     "zaya": {**_BASE, "num_hidden_layers": 2, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4,
              "router_hidden_size": 16},  # every layer "hybrid": K/V and a conv state in one layer
 }
 PURE_SSM = ("mamba", "mamba2", "falcon_mamba")  # no attention layer at all
+DENSE_VIEW = ("kimi_linear", "bailing_hybrid")  # MLA attention (latents expanded after the cache): generate() only
 
 
 def tiny_hybrid(model_type: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:

@@ -693,8 +693,9 @@ ENGINE_CASES = [
     Case("engine-stream-during-generate", RuntimeError, r"LLM\.stream\(\) is already running",
          _concurrently(lambda llm: next(iter(llm.stream([PROMPT], GREEDY)))), after=_first_call_was_exact),
     # construction
-    Case("engine-llm-on-unsupported-model", TypeError, r"flashpage\.LLM does not support FalconForCausalLM yet.*"
-         r"flashpage\.patch\(model\) with model\.generate\(\)", lambda env: LLM(env.falcon[0], num_blocks=8),
+    Case("engine-llm-on-unsupported-model", TypeError, r"flashpage\.LLM cannot run FalconForCausalLM \(model_type="
+         r"'falcon'\) exactly: .*flashpage\.patch\(model\) with model\.generate\(\)",
+         lambda env: LLM(env.falcon[0], num_blocks=8),
          after=_llm_left_model_unpatched),
     Case("engine-llm-zero-blocks", ValueError, r"num_blocks must be a positive int, got 0",
          lambda env: LLM(env.model, num_blocks=0)),

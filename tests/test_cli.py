@@ -442,3 +442,32 @@ def test_readme_cli_synopsis_names_only_real_options() -> None:
         used = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", " ".join(words)))
         for target in targets:
             assert used <= options(target), f"{' '.join(words)}: {used - options(target)} not accepted"
+
+
+def test_missing_extra_messages_work_from_a_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flashpage is installed from its repository: `pip install 'flashpage[X]'` would not find it on PyPI."""
+    from flashpage.engine.structured import _llguidance
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    with pytest.raises(ValueError, match=r'pip install llguidance \(from a flashpage checkout: pip install -e '
+                                         r'"\.\[structured\]"\)'):
+        _llguidance()
+
+
+def test_info_runs_where_the_patches_refuse_to_import() -> None:
+    """In a fresh interpreter whose package metadata says transformers 4.57.6, ``flashpage info`` still
+    reports (the version verdict included) while ``demo`` refuses."""
+    code = (
+        "import importlib.metadata as m, sys\n"
+        "real = m.version\n"
+        "m.version = lambda dist: '4.57.6' if dist == 'transformers' else real(dist)\n"
+        "from flashpage.cli import main\n"
+        "print('info exit', main(['info']))\n"
+        "print('demo exit', main(['demo']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                          cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "transformers 4.57.6: NOT supported (install transformers>=5.0,<6)" in proc.stdout
+    assert "info exit 0" in proc.stdout and "demo exit 2" in proc.stdout, proc.stdout[-2000:]
+    assert "flashpage demo: error: flashpage needs transformers>=5.0,<6" in proc.stderr

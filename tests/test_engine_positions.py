@@ -35,7 +35,7 @@ _ED = dict(vocab_size=128, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_w
            encoder_attention_heads=4, encoder_ffn_dim=96, max_position_embeddings=128)
 DECODERS: dict[str, dict] = {
     "bart": {}, "mbart": {}, "marian": {"decoder_start_token_id": 0}, "pegasus": {}, "plbart": {}, "blenderbot": {},
-    "blenderbot-small": {},
+    "blenderbot-small": {}, "bigbird_pegasus": {"attention_type": "original_full"},
     "whisper": {"max_target_positions": 128, "max_source_positions": 16, "num_mel_bins": 8},
 }
 PROMPTS = [[5, 17, 33, 8, 90], [44, 3, 71, 12, 9, 101, 60, 27, 15, 88, 7], [64, 22, 19]]
@@ -208,3 +208,13 @@ def test_forced_eos_applies_with_ignore_eos() -> None:
         finally:
             unpatch(model)
     assert len(out.token_ids) == 4 and out.token_ids[-1] == 5
+
+
+def test_decoders_that_take_position_ids_get_no_hooks() -> None:
+    """OPT's positional embedding also takes a cache length, but OPT honours the caller's position_ids:
+    no hook (its steps may compile); BART's decoder takes none: hooked."""
+    from flashpage.engine.positions import EnginePositions, cache_position_modules
+
+    opt = tiny_model("opt")
+    assert cache_position_modules(opt) and EnginePositions.install(opt) is None
+    assert EnginePositions.install(_decoder("bart")) is not None

@@ -29,8 +29,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES_DIR = ROOT / "examples"
-NAMES = ("quickstart", "continuous_batching", "prefix_caching", "kernel_level")
-PLOTS = {"continuous_batching": "throughput.png", "prefix_caching": "prefix_blocks.png"}
+NAMES = ("quickstart", "continuous_batching", "prefix_caching", "kernel_level", "grpo_trl")
+PLOTS = {"continuous_batching": "throughput.png", "prefix_caching": "prefix_blocks.png", "grpo_trl": "grpo_rewards.png"}
+NEEDS = {"grpo_trl": "trl"}  # examples of optional extras: skipped (visibly) without them
 CELL_TIMEOUT_S = 300
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MAX_NOTEBOOK_BYTES = 400 * 1024
@@ -55,6 +56,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
         "TRANSFORMERS_OFFLINE": "1",
         "MPLBACKEND": "Agg",
         "TMPDIR": str(tmp_path),
+        "FLASHPAGE_EXAMPLE_STEPS": "3",  # grpo_trl: 3 GRPO steps per run instead of the saved notebook's 24
     }
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     return env
@@ -158,6 +160,8 @@ def nbclient_modules() -> tuple[ModuleType, ModuleType]:
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_runs(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nbclient_modules) -> None:
     nbclient, nbformat = nbclient_modules
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name], reason=f"{name} needs {NEEDS[name]}: pip install 'flashpage[rl]'")
     if name in PLOTS:
         pytest.importorskip("matplotlib", reason=f"{name} draws its plot with matplotlib")
     for key, value in _env(tmp_path).items():
@@ -194,6 +198,8 @@ def test_notebook_runs(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.parametrize("name", NAMES)
 def test_script_runs(name: str, tmp_path: Path) -> None:
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name], reason=f"{name} needs {NEEDS[name]}: pip install 'flashpage[rl]'")
     if name in PLOTS:
         pytest.importorskip("matplotlib", reason=f"{name} draws its plot with matplotlib")
     proc = subprocess.run(

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from engine_helpers import hf_greedy, random_prompts
-from hybrid_zoo import HYBRIDS, PURE_SSM, tiny_hybrid
+from hybrid_zoo import DENSE_VIEW, HYBRIDS, PURE_SSM, tiny_hybrid
 
 import flashpage
 from flashpage import LLM, SamplingParams
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
 
 MAX_NEW = 8
 TOL = 1e-4
-ENGINE_TYPES = [t for t in HYBRIDS if t not in PURE_SSM]
+ENGINE_TYPES = [t for t in HYBRIDS if t not in PURE_SSM + DENSE_VIEW]
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +160,15 @@ def test_pure_state_space_models_are_refused_with_the_reason(model_type: str) ->
     with pytest.raises(TypeError, match="pure state-space model.*generate"):
         LLM(model, num_blocks=16, block_size=4)
     assert not flashpage.is_patched(model)  # left as it was given
+
+
+@pytest.mark.parametrize("model_type", DENSE_VIEW)
+def test_dense_view_hybrids_are_refused_up_front(model_type: str) -> None:
+    """MLA hybrids (Kimi-Linear, Ling/Bailing hybrid) attend on latents expanded after the cache:
+    exact in patched generate(), refused by LLM before any request."""
+    model = tiny_hybrid(model_type)
+    with pytest.raises(TypeError, match=model_type):
+        LLM(model, num_blocks=16, block_size=4)
 
 
 def test_plain_models_keep_the_packed_path_and_prefix_caching() -> None:

@@ -1,4 +1,4 @@
-"""`flashpage bench {kernels,generate,engine,hotpath,tp,sampler,breakdown}`: run one benchmark, print it.
+"""`flashpage bench {kernels,generate,engine,hotpath,tp,sampler,breakdown,rl}`: run one benchmark, print it.
 
 Progress goes to stderr, so ``--json`` output on stdout is one JSON document. The exit code is 0
 when the outputs agree (and, for generate, the paged KV stays within its bound); speed never
@@ -13,6 +13,8 @@ import argparse
 import json
 import sys
 from typing import Any
+
+from flashpage.errors import install_hint
 
 
 def _kernels(args: argparse.Namespace) -> dict[str, Any]:
@@ -79,8 +81,16 @@ def _tp(args: argparse.Namespace) -> dict[str, Any]:
     return tp.run(sizes, model_name=getattr(args, "model", None), quick=args.quick)
 
 
+def _rl(args: argparse.Namespace) -> dict[str, Any]:
+    from flashpage.bench import rl
+
+    return rl.run(model_name=getattr(args, "model", None), quick=args.quick)
+
+
 def _format(name: str, result: dict[str, Any]) -> str:
-    if name == "tp":
+    if name == "rl":
+        from flashpage.bench.rl import format_report
+    elif name == "tp":
         from flashpage.bench.tp import format_report
     elif name == "breakdown":
         from flashpage.bench.breakdown import format_report
@@ -100,7 +110,7 @@ def _format(name: str, result: dict[str, Any]) -> str:
 
 
 _RUNNERS = {"kernels": _kernels, "generate": _generate, "engine": _engine, "hotpath": _hotpath, "tp": _tp,
-            "sampler": _sampler, "breakdown": _breakdown}
+            "sampler": _sampler, "breakdown": _breakdown, "rl": _rl}
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -124,7 +134,7 @@ def run_bench(args: argparse.Namespace) -> int:
         try:
             write_plot(name, result, plot_path)
         except ImportError as exc:
-            print(f"flashpage bench: --plot needs matplotlib ({exc}); pip install 'flashpage[plot]'",
+            print(f"flashpage bench: --plot needs matplotlib ({exc}); {install_hint('matplotlib', 'plot')}",
                   file=sys.stderr)
             return 1
         print(f"[bench {name}] plot written to {plot_path}", file=sys.stderr)

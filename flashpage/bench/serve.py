@@ -36,6 +36,8 @@ from typing import Any
 
 import httpx
 
+from flashpage.errors import install_hint
+
 WORDS = ("the list module returns a new value of each object in the file when the function is called with "
          "an optional argument that must be a string or bytes and raises an exception if the key is not found "
          "in the dictionary").split()
@@ -319,7 +321,8 @@ def run_cli(args: argparse.Namespace) -> int:
         try:
             write_plot(result, args.plot)
         except ImportError as exc:
-            print(f"flashpage bench: --plot needs matplotlib ({exc}); pip install 'flashpage[plot]'", file=sys.stderr)
+            print(f"flashpage bench: --plot needs matplotlib ({exc}); {install_hint('matplotlib', 'plot')}",
+                  file=sys.stderr)
             return 1
         _log(f"plot written to {args.plot}")
     failed = any(r["failed"] for rows in result["systems"].values() for r in rows)

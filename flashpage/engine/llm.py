@@ -40,8 +40,9 @@ from flashpage.engine.structured import GrammarEngine, StructuredOutputsParams
 from flashpage.engine.weights import WeightWatcher, forget_kv
 from flashpage.errors import check_positive_ints
 from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
+from flashpage.patches.checks import engine_refusal_reason
 from flashpage.patches.compat import cache_kwarg, require_supported_transformers
-from flashpage.patches.patching import patch_state
+from flashpage.patches.patching import UnsupportedModelError, patch_state
 
 Prompt = str | Sequence[int]
 
@@ -139,9 +140,17 @@ class LLM:
         was_patched = is_patched(self.model)
         patch(self.model)
         try:
-            if patch_state(self.model).family.path != "interface":
-                raise TypeError(f"flashpage.LLM does not support {type(model).__name__} yet: its attention bypasses "
-                                "transformers' interface. Use flashpage.patch(model) with model.generate() instead.")
+            family = patch_state(self.model).family
+            reason = engine_refusal_reason(self.model, patch_state(self.model).report)
+            if reason is not None:
+                raise UnsupportedModelError(f"flashpage.LLM cannot run {type(model).__name__} (model_type="
+                                            f"{self.model.config.model_type!r}) exactly: {reason}. Use "
+                                            "flashpage.patch(model) with model.generate() instead.")
+            if family.path != "interface":
+                raise UnsupportedModelError(
+                    f"flashpage.LLM cannot run {type(model).__name__} (model_type={self.model.config.model_type!r}) "
+                    f"exactly: its attention does not run on the pages ({family.note}). Use flashpage.patch(model) "
+                    "with model.generate() instead.")
             self.device = next(self.model.parameters()).device
             config = self.model.config.get_text_config(decoder=True)
             self.vocab_size = int(config.vocab_size)

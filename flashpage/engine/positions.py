@@ -35,6 +35,13 @@ def _params(module: torch.nn.Module) -> set[str]:
         return set()
 
 
+def takes_position_ids(model: torch.nn.Module) -> bool:
+    """Whether the model or its decoder takes ``position_ids`` itself (then it honours the engine's)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    decoder = decoder if isinstance(decoder, torch.nn.Module) else None
+    return "position_ids" in _params(model) or (decoder is not None and "position_ids" in _params(decoder))
+
+
 def cache_position_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Positional embeddings that take ``position_ids`` next to a cache length (what decoders that
     derive positions from ``cache.get_seq_length()`` call)."""
@@ -66,6 +73,8 @@ class EnginePositions:
         existing = getattr(model, _ATTR, None)
         if existing is not None:  # another LLM on the same model: one set of hooks
             return existing
+        if takes_position_ids(model):  # OPT and every decoder that honours the caller's positions
+            return None
         modules = cache_position_modules(model)
         if not modules:
             return None

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from flashpage.errors import install_hint
+
 log = logging.getLogger("flashpage.structured")
 GRAMMAR_CACHE_SIZE = 256  # compiled constraints kept (64 requests with one schema compile it once)
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -113,8 +115,8 @@ def _llguidance() -> Any:
         import llguidance.hf
         import llguidance.torch
     except ImportError:
-        raise ValueError("structured outputs need the llguidance package: pip install 'flashpage[structured]'") \
-            from None
+        raise ValueError("structured outputs need the llguidance package: "
+                         + install_hint("llguidance", "structured")) from None
     return llguidance
 
 

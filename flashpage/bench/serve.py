@@ -132,6 +132,7 @@ def summarize(rate: float, results: list[RequestResult], duration: float) -> dic
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     itls = [x for r in ok for x in r.itls]
+    tpots = [(r.latency - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1]
     ms = lambda v: None if v is None else round(v * 1e3, 2)
     return {
         "rate": _rate(rate), "requests": len(results), "failed": len(results) - len(ok),
@@ -139,7 +140,7 @@ def summarize(rate: float, results: list[RequestResult], duration: float) -> dic
         "output_tokens": sum(r.tokens for r in ok),
         "output_tokens_per_s": round(sum(r.tokens for r in ok) / duration, 1),
         "ttft_p50_ms": ms(_pct(ttfts, 50)), "ttft_p99_ms": ms(_pct(ttfts, 99)),
-        "itl_p50_ms": ms(_pct(itls, 50)), "itl_p99_ms": ms(_pct(itls, 99)),
+        "itl_p50_ms": ms(_pct(itls, 50)), "itl_p99_ms": ms(_pct(itls, 99)), "tpot_p50_ms": ms(_pct(tpots, 50)),
         "e2e_p50_s": None if not ok else round(_pct([r.latency for r in ok], 50), 3),
         "errors": sorted({r.error for r in results if not r.ok})[:3],
     }
@@ -167,13 +168,17 @@ def _free_port() -> int:
 
 
 @contextmanager
-def started_server(cmd: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[str]:
-    """Run ``cmd`` (a server on ``port``) until /health answers; SIGTERM it afterwards."""
+def started_server(cmd: list[str], port: int, env: dict[str, str] | None = None, timeout: float = STARTUP_TIMEOUT,
+                   replace_env: bool = False) -> Iterator[str]:
+    """Run ``cmd`` (a server on ``port``) until /health answers (at most ``timeout`` s); afterwards SIGTERM
+    its whole process group (servers such as vLLM's start engine processes), then SIGKILL it if it lingers.
+    ``env`` is added to this process's environment, or replaces it with ``replace_env``."""
     url = f"http://127.0.0.1:{port}"
     log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would stall the server
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=dict(env or {}) if replace_env else {**os.environ, **(env or {})})
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
+        deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
                 log.seek(0)
@@ -184,18 +189,33 @@ def started_server(cmd: list[str], port: int, env: dict[str, str] | None = None)
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"`{' '.join(cmd[:4])} ...` did not answer /health in {STARTUP_TIMEOUT:.0f} s")
+                log.seek(0)
+                raise RuntimeError(f"`{' '.join(cmd[:4])} ...` did not answer /health in {timeout:.0f} s: "
+                                   f"{log.read()[-400:]}")
             time.sleep(0.25)
         yield url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        _stop_group(proc)
         log.close()
+
+
+def _stop_group(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM the process group of ``proc`` (its leader), wait, then SIGKILL what is left of it."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return  # the whole group is gone
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM:
+            try:  # the leader is gone; children it started may linger a moment
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return
 
 
 def _flashpage_cmd(model: str | None, port: int) -> list[str]:
@@ -311,6 +331,15 @@ def write_plot(result: dict[str, Any], path: str) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """``flashpage bench serve``; exit 1 when requests failed or the two servers disagree."""
+    if args.against == "vllm":
+        from flashpage.bench.vs_vllm_serve import run_cli as run_against_vllm
+
+        if args.base_url or args.plot or not args.transformers:
+            raise ValueError("--against vllm starts both servers itself and prints a table: "
+                             "drop --base-url, --plot and --no-transformers")
+        return run_against_vllm(args)
+    if args.vllm_python:
+        raise ValueError("--vllm-python is for the vLLM comparison: add --against vllm")
     rates = parse_rates("4,inf" if args.quick and args.request_rates == "2,4,8,inf" else args.request_rates)
     num, max_tokens = (16, 16) if args.quick else (args.num_prompts, args.max_tokens)
     if num < 1 or max_tokens < 1:

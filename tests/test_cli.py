@@ -307,13 +307,23 @@ def test_hf_paged_cache_refuses_transformers_4(transformers_4: str) -> None:
         HFPagedCache(config)
 
 
+FAKE_TRANSFORMERS_4 = (
+    "import importlib.metadata as m, sys\n"
+    "real = m.version\n"
+    "m.version = lambda dist: '4.57.6' if dist == 'transformers' else real(dist)\n"
+)
+
+
+def _run_with_transformers_4(body: str) -> subprocess.CompletedProcess[str]:
+    """Run ``body`` in a fresh interpreter whose package metadata says transformers 4.57.6."""
+    return subprocess.run([sys.executable, "-c", FAKE_TRANSFORMERS_4 + body], capture_output=True, text=True,
+                          timeout=300, check=False, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
 def test_import_of_the_patches_refuses_transformers_4() -> None:
     """In a fresh interpreter whose package metadata says transformers 4.57.6: the import itself fails."""
-    code = (
-        "import importlib.metadata as m\n"
-        "real = m.version\n"
-        "m.version = lambda dist: '4.57.6' if dist == 'transformers' else real(dist)\n"
-        "import sys; sys.modules.pop('transformers', None)\n"
+    proc = _run_with_transformers_4(
+        "sys.modules.pop('transformers', None)\n"
         "try:\n"
         "    import flashpage.patches\n"
         "except ImportError as exc:\n"
@@ -321,8 +331,6 @@ def test_import_of_the_patches_refuses_transformers_4() -> None:
         "else:\n"
         "    print('imported')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
-                          cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("UnsupportedTransformersError flashpage needs transformers>=5.0,<6, "
                                   "but transformers 4.57.6 is installed"), proc.stdout
@@ -457,16 +465,11 @@ def test_missing_extra_messages_work_from_a_checkout(monkeypatch: pytest.MonkeyP
 def test_info_runs_where_the_patches_refuse_to_import() -> None:
     """In a fresh interpreter whose package metadata says transformers 4.57.6, ``flashpage info`` still
     reports (the version verdict included) while ``demo`` refuses."""
-    code = (
-        "import importlib.metadata as m, sys\n"
-        "real = m.version\n"
-        "m.version = lambda dist: '4.57.6' if dist == 'transformers' else real(dist)\n"
+    proc = _run_with_transformers_4(
         "from flashpage.cli import main\n"
         "print('info exit', main(['info']))\n"
         "print('demo exit', main(['demo']))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
-                          cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "transformers 4.57.6: NOT supported (install transformers>=5.0,<6)" in proc.stdout
     assert "info exit 0" in proc.stdout and "demo exit 2" in proc.stdout, proc.stdout[-2000:]

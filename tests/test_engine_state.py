@@ -18,6 +18,7 @@ import torch
 
 import flashpage
 from flashpage import LLM, SamplingParams
+from flashpage.bench.sampler import sampling_seqs
 from flashpage.engine.outputs import RequestMetrics
 from flashpage.engine.sampler import Sampler, filter_logits, filter_logits_batched
 from flashpage.engine.sequence import SEED_MODULUS, Group, sample_seed
@@ -125,29 +126,23 @@ def test_many_samples_finish_in_linear_time(llm, model):
 
 
 # -------------------------------------------------------------------------------------- sampler
-def _seqs(params: list[SamplingParams]) -> list[Any]:
-    out = []
-    for i, p in enumerate(params):
-        group = Group(str(i), None, [3, 4], p, RequestMetrics(0.0))
-        out.append(group.new_seq(0, group.prompt_token_ids))
-    return out
 
 
 def test_seeded_generator_lives_on_the_logits_device():
-    seq = _seqs([SamplingParams(seed=7)])[0]
+    seq = sampling_seqs([SamplingParams(seed=7)])[0]
     logits = torch.randn(1, 50)
     token = Sampler([1])(logits, [seq])[0]
     assert seq._generator is not None and seq._generator.device == logits.device
     assert seq.generator(logits.device) is seq._generator  # reused, not re-created per step
-    again = _seqs([SamplingParams(seed=7)])[0]
+    again = sampling_seqs([SamplingParams(seed=7)])[0]
     assert Sampler([1])(logits, [again])[0] == token
-    assert _seqs([SamplingParams()])[0].generator(torch.device("cpu")) is None  # unseeded: global RNG
+    assert sampling_seqs([SamplingParams()])[0].generator(torch.device("cpu")) is None  # unseeded: global RNG
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_seeded_sampling_on_cuda_logits():
-    seqs = _seqs([SamplingParams(seed=7), SamplingParams(seed=8), SamplingParams(temperature=0.5)])
+    seqs = sampling_seqs([SamplingParams(seed=7), SamplingParams(seed=8), SamplingParams(temperature=0.5)])
     tokens = Sampler([1])(torch.randn(3, 50, device="cuda"), seqs)
     assert len(tokens) == 3
     assert seqs[0]._generator.device.type == "cuda"
@@ -164,7 +159,7 @@ def test_unseeded_rows_are_one_batched_draw(monkeypatch):
     monkeypatch.setattr(torch, "multinomial", counting)
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
               for t, k, p, m in [(1.0, -1, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.9, 0.0), (1.0, 3, 0.5, 0.1)]]
-    seqs = _seqs(params + [SamplingParams(temperature=0.0), SamplingParams(seed=1)])
+    seqs = sampling_seqs(params + [SamplingParams(temperature=0.0), SamplingParams(seed=1)])
     tokens = Sampler([1])(torch.randn(6, 40), seqs)
     # the 4 unseeded rows in two draws: the 2 with a top-k among their candidates (k 5 and 3: width 5),
     # the 2 others over the vocabulary; greedy and seeded rows apart
@@ -194,14 +189,14 @@ def test_batched_sampling_distribution():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     rows = 4000
     torch.manual_seed(0)
-    seqs = _seqs([SamplingParams(temperature=0.8, top_k=4)] * rows)
+    seqs = sampling_seqs([SamplingParams(temperature=0.8, top_k=4)] * rows)
     tokens = torch.tensor(Sampler([99])(logits.repeat(rows, 1), seqs))
     want = torch.softmax(logits[:4] / 0.8, -1)
     freq = torch.bincount(tokens, minlength=6).float() / rows
     assert freq[4:].sum() == 0, "top_k=4 lets no other token through"
     assert torch.allclose(freq[:4], want, atol=0.03), (freq, want)
     torch.manual_seed(0)
-    seqs = _seqs([SamplingParams(temperature=0.8, top_k=4)] * rows)
+    seqs = sampling_seqs([SamplingParams(temperature=0.8, top_k=4)] * rows)
     again = torch.tensor(Sampler([99])(logits.repeat(rows, 1), seqs))
     assert torch.equal(tokens, again), "a fixed global seed reproduces unseeded draws"
 

@@ -3,25 +3,14 @@ keep exactly the old tokens and transformers' warpers' tokens, candidate draws h
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from flashpage.bench import sampler as sampler_bench
+from flashpage.bench.sampler import sampling_seqs
 from flashpage.engine import SamplingParams
-from flashpage.engine.outputs import RequestMetrics
 from flashpage.engine.sampler import Sampler, filter_logits, filter_logits_batched, top_k_candidates
-from flashpage.engine.sequence import Group
-
-
-def _seqs(params: list[SamplingParams]) -> list[Any]:
-    out = []
-    for i, p in enumerate(params):
-        group = Group(str(i), None, [3, 4], p, RequestMetrics(0.0))
-        out.append(group.new_seq(0, group.prompt_token_ids))
-    return out
 
 
 def _old_filter_batched(rows: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
@@ -92,7 +81,7 @@ def test_seeded_draws_equal_the_old_per_row_path():
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=100 + i)
               for i, (t, k, p, m) in enumerate([(1.0, -1, 1.0, 0.0), (0.7, 20, 1.0, 0.0), (1.3, 0, 0.8, 0.0),
                                                 (1.0, 50, 0.6, 0.1), (0.5, -1, 1.0, 0.2), (2.0, 299, 0.95, 0.0)] * 2)]
-    seqs = _seqs(params)
+    seqs = sampling_seqs(params)
     for step in range(3):  # the generators advance step after step, as in the old path
         got = Sampler([])(logits, seqs)
         # the old path: each row's own generator, advanced once per step
@@ -110,8 +99,8 @@ def test_seeded_draws_equal_the_old_per_row_path():
 def test_seeded_draw_alone_equals_draw_in_a_batch():
     p = SamplingParams(temperature=0.8, top_k=30, top_p=0.9, seed=5)
     logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(3))
-    batch = _seqs([SamplingParams(), p, SamplingParams(top_k=3), SamplingParams(temperature=0.0)])
-    alone = _seqs([p])
+    batch = sampling_seqs([SamplingParams(), p, SamplingParams(top_k=3), SamplingParams(temperature=0.0)])
+    alone = sampling_seqs([p])
     in_batch = Sampler([])(logits, batch)[1]
     assert in_batch == Sampler([])(logits[1:2], alone)[0] == _old_seeded_draw(logits[1], p, batch[1].seed)
 
@@ -156,7 +145,7 @@ def test_top_k_candidates_send_ties_past_k_to_the_whole_row():
     _, _, whole = top_k_candidates(rows, [3, 3], [1.0, 1.0], [0.0, 0.0])
     assert whole == [0]  # row 0 keeps 5 tokens (three tie at the 3rd value); row 1 its 3
     torch.manual_seed(0)
-    seqs = _seqs([SamplingParams(top_k=3), SamplingParams(top_k=3)])
+    seqs = sampling_seqs([SamplingParams(top_k=3), SamplingParams(top_k=3)])
     picks = torch.tensor([Sampler([])(rows, seqs) for _ in range(600)])
     assert set(picks[:, 0].tolist()) == {0, 1, 2, 3, 4} and set(picks[:, 1].tolist()) == {0, 1, 2}
 
@@ -166,7 +155,7 @@ def test_candidate_draws_follow_the_filtered_softmax():
     rows = 6000
     torch.manual_seed(0)
     params = SamplingParams(temperature=0.9, top_k=6, top_p=0.9, min_p=0.05)
-    tokens = torch.tensor(Sampler([])(logits.repeat(rows, 1), _seqs([params] * rows)))
+    tokens = torch.tensor(Sampler([])(logits.repeat(rows, 1), sampling_seqs([params] * rows)))
     want = torch.softmax(filter_logits(logits / 0.9, 6, 0.9, 0.05), -1)
     freq = torch.bincount(tokens, minlength=8).float() / rows
     assert torch.equal(freq > 0, want > 0)

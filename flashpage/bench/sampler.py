@@ -50,7 +50,8 @@ def _params(case: Case, batch: int) -> list[Any]:
     return [kinds[i % 4] for i in range(batch)]
 
 
-def _seqs(params: list[Any]) -> list[Any]:
+def sampling_seqs(params: list[Any]) -> list[Any]:
+    """One fresh sequence (prompt [3, 4]) per SamplingParams, as the sampler receives its rows."""
     from flashpage.engine.outputs import RequestMetrics
     from flashpage.engine.sequence import Group
 
@@ -96,7 +97,7 @@ def run_case(case: Case, batch: int, vocab: int, iters: int = 20, repeats: int =
     from flashpage.engine.sampler import Sampler
 
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed)) * 3
-    seqs = _seqs(_params(case, batch))
+    seqs = sampling_seqs(_params(case, batch))
     sampler = Sampler([])
     warpers = _hf_warpers(case)
     input_ids = torch.zeros(batch, 1, dtype=torch.long)

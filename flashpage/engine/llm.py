@@ -140,8 +140,9 @@ class LLM:
         was_patched = is_patched(self.model)
         patch(self.model)
         try:
-            family = patch_state(self.model).family
-            reason = engine_refusal_reason(self.model, patch_state(self.model).report)
+            state = patch_state(self.model)
+            family = state.family
+            reason = engine_refusal_reason(self.model, state.report)
             if reason is not None:
                 raise UnsupportedModelError(f"flashpage.LLM cannot run {type(model).__name__} (model_type="
                                             f"{self.model.config.model_type!r}) exactly: {reason}. Use "

@@ -345,6 +345,13 @@ def _missing_tools() -> str | None:
     from torch.utils import cpp_extension
 
     if not cpp_extension.is_ninja_available():
+        try:  # the ninja wheel (a core dependency) outside an activated venv: its binary is not on PATH
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except (ImportError, AttributeError):
+            pass
+    if not cpp_extension.is_ninja_available():
         return "ninja not found (pip install ninja)"
     return None
 
@@ -396,13 +403,27 @@ def status(build: bool = False) -> Status:
     if build:
         load()
     if _module is not None:
-        return Status("cpp", "fused C++ paged-attention kernel (built in torch's extension cache)")
+        return Status("cpp", "fused C++ paged-attention kernel (loaded)")
     if _failure is not None:
         return Status("reference", f"C++ kernel unavailable: {_failure}")
     missing = _missing_tools()
     if missing is not None:
         return Status("reference", f"C++ kernel unavailable: {missing}")
-    return Status("cpp", "fused C++ paged-attention kernel (built on first use, then cached)")
+    library = _library_path()
+    if library is not None and os.path.exists(library):
+        return Status("cpp", f"fused C++ paged-attention kernel (built: {library})")
+    return Status("cpp", "fused C++ paged-attention kernel (built on first use, about a minute, then cached)")
+
+
+def _library_path() -> str | None:
+    """Where torch's extension cache keeps (or will keep) this build's shared library."""
+    try:
+        from torch.utils import cpp_extension
+
+        name = _build_name()
+        return os.path.join(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so")
+    except Exception:  # a private torch helper: only used for the report
+        return None
 
 
 def eligible(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:

@@ -11,7 +11,9 @@ would try to import flash-attn). The attention function has two paths:
   (``unpatched.py``): losses, gradients and dropout are exactly the unpatched model's;
 - dense: a model that expands cached latents, attention weights asked for, or a previous
   implementation flashpage cannot call (flex, flash-attn): the given K/V with transformers' own
-  mask, computed as transformers' sdpa (or, for softcap, sinks and weights, eager) attention does.
+  mask, computed as transformers' sdpa (or, for softcap, sinks and weights, eager) attention does;
+  in a step the engine planned, varlen attention over each scheduled sequence's whole K/V
+  (``HFPagedCache.step_kv``), ``cu_seqlens_q`` / ``cu_seqlens_k`` from the plan, causal bottom-right.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Order: repetition / presence / frequency penalties, ``min_tokens`` suppression of EOS and stop
 ids, then greedy argmax (temperature 0) or temperature, top-k, top-p, min-p and a draw. A seeded
 sequence draws from its own generator on the logits' device (so it samples the same tokens
-whatever it is batched with); unseeded rows are drawn together, one multinomial on the global RNG.
+whatever it is batched with); unseeded rows are drawn together on the global RNG.
 Filtering is batched either way: one ``topk`` for the rows with top-k alone, one sort for the rows
 with top-p, one softmax for the rows with min-p; rows that ask for none pay nothing (see
 :func:`filter_logits_batched`). Log-probabilities are those of the model's raw logits.

@@ -220,3 +220,11 @@ def test_sampler_top_p_rows_without_top_k_follow_the_filtered_softmax():
         assert torch.equal(freq > 0, want > 0) or bool((want[freq == 0] < 2e-3).all()), (i, freq, want)
         assert not bool((freq[want == 0] > 0).any()), i  # never a token outside the nucleus
         assert torch.allclose(freq, want, atol=0.035), (i, freq, want)
+
+
+def test_a_uniform_rounded_past_the_total_draws_the_last_positive_entry():
+    from flashpage.engine.sampler import _last_positive_past_end
+
+    values = torch.tensor([[0.2, 0.5, 0.0, 0.0], [0.1, 0.0, 0.3, 0.6]])
+    got = _last_positive_past_end(torch.tensor([4, 2]), values)  # row 0 past the end, row 1 inside
+    assert got.tolist() == [1, 2]

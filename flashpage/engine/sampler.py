@@ -3,19 +3,20 @@
 Order: repetition / presence / frequency penalties, ``min_tokens`` suppression of EOS and stop
 ids, then greedy argmax (temperature 0) or temperature, top-k, top-p, min-p and a draw. A seeded
 sequence draws from its own generator on the logits' device (so it samples the same tokens
-whatever it is batched with); unseeded rows are drawn together, one multinomial on the global RNG.
+whatever it is batched with); unseeded rows are drawn together on the global RNG.
 Filtering is batched either way: one ``topk`` for the rows with top-k alone, one sort for the rows
 with top-p, one softmax for the rows with min-p; rows that ask for none pay nothing (see
 :func:`filter_logits_batched`). Log-probabilities are those of the model's raw logits.
 
 Unseeded draws avoid the two costliest CPU ops of a sampling step (measured on a (64, 4096) batch,
-one thread: a full sort ~14-37 ms, ``torch.multinomial`` ~16 ms): a draw is an inverse-CDF lookup
-(one cumulative sum, one uniform per row, ~0.6 ms), and rows with top-p / min-p but no top-k draw
-from the whole softmax and keep the draw only if it lies in the row's nucleus (tested without a
-sort: the mass of strictly likelier tokens is below top_p, and its probability is at least min_p x
-the top one), redrawing rejected rows a few times before the exact sort-based filter takes the rest.
-A draw accepted that way has exactly the filtered row's distribution (rejection sampling); a row's
-nucleus holds at least top_p of its mass, so a redraw is rare (see :func:`sample_nucleus`).
+one thread: a full sort ~14-37 ms, ``torch.multinomial`` ~16 ms): a draw is an inverse-CDF lookup (a
+two-level cumulative sum, one uniform per row, ~1 ms; see :func:`draw`), and rows with top-p / min-p
+but no top-k draw from the whole softmax and keep the draw only if it lies in the row's nucleus
+(tested without a sort: the mass of strictly likelier tokens is below top_p, and its probability is
+at least min_p x the top one), redrawing rejected rows a few times before the exact sort-based
+filter takes the rest. A draw accepted that way has exactly the filtered row's distribution
+(rejection sampling); a row's nucleus holds at least top_p of its mass, so a redraw is rare (see
+:func:`sample_nucleus`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from flashpage.engine.params import SamplingParams
 from flashpage.engine.sequence import Seq
 
 CANDIDATES_MAX = 1024  # unseeded rows with top_k up to this draw among their top-k candidates
+DRAW_BLOCK = 64  # draw(): entries per block of the two-level cumulative sum
 NUCLEUS_TRIES = 3  # draws a top-p / min-p row may reject before the sort-based filter decides it
 
 
@@ -136,30 +138,49 @@ class Sampler:
         rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
         if not rows:
             return
-        logp = torch.log_softmax(raw[rows], dim=-1)
+        logp = torch.log_softmax(raw if len(rows) == len(seqs) else raw[rows], dim=-1)
+        tokens = torch.tensor([chosen[i] for i in rows], dtype=torch.long, device=logp.device)
+        picked = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()  # one host read for every row
         for r, i in enumerate(rows):
             k = seqs[i].group.params.logprobs or 0
             top = {}
             if k:
                 vals, ids = logp[r].topk(k)
                 top = dict(zip(ids.tolist(), vals.tolist(), strict=True))
-            seqs[i].logprobs.append(TokenLogprob(chosen[i], float(logp[r, chosen[i]]), top))
+            seqs[i].logprobs.append(TokenLogprob(chosen[i], picked[r], top))
 
 
 def draw(probs: torch.Tensor) -> torch.Tensor:
     """One index per row of ``probs`` (N, V) (non-negative, rows need not sum to 1), drawn with
-    probability proportional to its value: one uniform per row on the global RNG, looked up in the
-    row's cumulative sum (float64). The distribution of ``torch.multinomial(probs, 1)``, at a
-    fraction of its CPU cost. A zero entry is never drawn. Returns (N,) int64."""
-    cdf = probs.cumsum(-1, dtype=torch.float64)
-    total = cdf[:, -1:]
-    u = torch.rand(total.shape, dtype=torch.float64, device=probs.device) * total
-    index = torch.searchsorted(cdf, u, right=True).squeeze(1)
-    over = index >= probs.shape[1]  # u rounded up to the total (about 2**-53): the last non-zero entry
-    if bool(over.any()):
-        last = probs.shape[1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)
-        index = torch.where(over, last, index)
-    return index
+    probability proportional to its value: the distribution of ``torch.multinomial(probs, 1)`` at a
+    fraction of its CPU cost. One uniform per row (global RNG) is looked up in the row's cumulative
+    sum, two-level so that nothing of size (N, V) is made in float64: the cumulative mass of blocks of
+    ``DRAW_BLOCK`` entries (float64), then the cumulative sum inside the chosen block. A zero entry
+    is never drawn. Returns (N,) int64."""
+    n, vocab = probs.shape
+    width = -(-vocab // DRAW_BLOCK) * DRAW_BLOCK
+    if width != vocab:
+        probs = torch.nn.functional.pad(probs, (0, width - vocab))
+    blocks = probs.view(n, width // DRAW_BLOCK, DRAW_BLOCK)
+    mass = blocks.sum(-1).double()  # (N, nb)
+    cum = mass.cumsum(-1)
+    u = torch.rand((n, 1), dtype=torch.float64, device=probs.device) * cum[:, -1:]
+    block = _last_positive_past_end(torch.searchsorted(cum, u, right=True).squeeze(1), mass)
+    rows = torch.arange(n, device=probs.device)
+    before = torch.where(block > 0, cum[rows, (block - 1).clamp(min=0)], 0.0)
+    inside = blocks[rows, block].double()  # (N, DRAW_BLOCK)
+    offset = torch.searchsorted(inside.cumsum(-1), (u.squeeze(1) - before).unsqueeze(1), right=True).squeeze(1)
+    return block * DRAW_BLOCK + _last_positive_past_end(offset, inside)
+
+
+def _last_positive_past_end(index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``index`` (N,), except where it points past the end of ``values`` (N, W) (a uniform that rounding
+    put at or past the cumulative total): there the last positive entry of that row."""
+    over = index >= values.shape[1]
+    if not bool(over.any()):
+        return index
+    last = values.shape[1] - 1 - (values.flip(-1) > 0).to(torch.int8).argmax(-1)
+    return torch.where(over, last, index)
 
 
 def sample_nucleus(rows: torch.Tensor, top_p: Sequence[float], min_p: Sequence[float],

@@ -14,8 +14,9 @@ exact relaxes exactly that check.
 A model whose attention receives K/V other than the ones ``update`` returned (multi-head latent
 attention expanding cached latents, DiffLlama splitting V, JetMoE repeating K/V per expert) is not
 refused: it is switched to the dense-view path (the cache returns the whole padded K/V, the model
-transforms it, attention runs on what the model hands it), which is exact; ``LLM`` needs attention on
-the pages and refuses it. The probe runs once per model object; its result is kept on the model.
+transforms it, attention runs on what the model hands it), which is exact, in ``LLM`` too (each
+scheduled sequence's whole K/V, varlen attention: ``attention._step_dense``). The probe runs once
+per model object; its result is kept on the model.
 """
 
 from __future__ import annotations

@@ -164,6 +164,9 @@ def draw(probs: torch.Tensor) -> torch.Tensor:
     blocks = probs.view(n, width // DRAW_BLOCK, DRAW_BLOCK)
     mass = blocks.sum(-1).double()  # (N, nb)
     cum = mass.cumsum(-1)
+    if not bool((cum[:, -1] > 0).all()):  # NaN or no mass left (what torch.multinomial refuses too)
+        raise RuntimeError("sampler: a row has no token with a positive probability (its logits are all -inf "
+                           "or NaN after the filters and processors)")
     u = torch.rand((n, 1), dtype=torch.float64, device=probs.device) * cum[:, -1:]
     block = _last_positive_past_end(torch.searchsorted(cum, u, right=True).squeeze(1), mass)
     rows = torch.arange(n, device=probs.device)

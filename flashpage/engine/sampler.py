@@ -107,9 +107,10 @@ class Sampler:
     @staticmethod
     def _sample_batched(scores: torch.Tensor, seqs: Sequence[Seq]) -> list[int]:
         """Unseeded rows (K, V) on the global RNG: rows with a top-k of at most ``CANDIDATES_MAX``
-        draw among their top-k candidates (one ``topk`` and one multinomial over (K', k) instead of
-        (K', V): the same distribution); the other rows are filtered together and drawn with one
-        multinomial over the vocabulary."""
+        draw among their top-k candidates (one ``topk`` and one draw over (K', k) instead of
+        (K', V): the same distribution); the other rows draw over the vocabulary (:func:`draw`),
+        top-p / min-p by rejection (:func:`sample_nucleus`) when none of them has a top-k, else
+        filtered together first."""
         params = [s.group.params for s in seqs]
         vocab = scores.shape[1]
         few = [i for i, p in enumerate(params) if 0 < p.top_k < vocab and p.top_k <= CANDIDATES_MAX]

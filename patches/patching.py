@@ -31,6 +31,7 @@ from flashpage.patches.deepseek import NOTE as MLA_NOTE
 from flashpage.patches.deepseek import is_mla
 from flashpage.patches.families import FamilySpec, family_for
 from flashpage.patches.hf_cache import HFPagedCache
+from flashpage.patches.legacy import ABSENT, Refused
 
 _STATE_ATTR = "_flashpage_patch"
 _CACHE_KWARGS = ("cache", "past_key_values")
@@ -83,6 +84,8 @@ def patch(model: torch.nn.Module, **cache_options: Any) -> torch.nn.Module:
                        previous_attn=getattr(model.config, "_attn_implementation", None), root=model)
     _install(model, state)
     try:
+        if family.install is not None:  # adapters (legacy.py) change the model's attention modules
+            state.restore.extend(_adapter_changes(model, family))
         state.family = _checked_family(model, state)
     except BaseException:
         unpatch(model)
@@ -106,6 +109,13 @@ def _install(model: torch.nn.Module, state: PatchState) -> None:
         state.user_set_attn = vars(model).get("set_attn_implementation")
         model.set_attn_implementation = MethodType(_switch_attention, model)
     setattr(model, _STATE_ATTR, state)
+
+
+def _adapter_changes(model: torch.nn.Module, family: FamilySpec) -> list[tuple[Any, str, Any]]:
+    try:
+        return family.install(model)
+    except Refused as exc:
+        raise UnsupportedModelError(_refusal(model, str(exc))) from None
 
 
 _CHECKED_ATTR = "_flashpage_checked"  # the family the probe settled on, kept across unpatch (checks run once)
@@ -166,7 +176,10 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     for handle in state.hooks:
         handle.remove()
     for obj, name, value in reversed(state.restore):
-        setattr(obj, name, value)
+        if value is ABSENT:
+            vars(obj).pop(name, None)
+        else:
+            setattr(obj, name, value)
     if "set_attn_implementation" in vars(model):
         del model.set_attn_implementation
     if state.user_set_attn is not None:
@@ -240,7 +253,7 @@ def _family_of(model: torch.nn.Module) -> FamilySpec:
         raise UnsupportedModelError(
             f"flashpage cannot patch {name} (model_type={config.model_type!r}{inner}): its attention does not go "
             "through transformers' AttentionInterface and flashpage has no adapter for it. Use it unpatched, "
-            "or add an adapter module in flashpage/patches (see patches/falcon.py).")
+            "or add an adapter module in flashpage/patches (see patches/legacy.py).")
     return family
 
 
@@ -312,6 +325,8 @@ def _pre_hook(state: PatchState):
             batch, length = shaped.shape[0], shaped.shape[1]
             cache.begin_forward(input_ids, batch, length, inputs.get("attention_mask"), shaped.device)
         state.active_cache = cache
+        if state.family.path == "adapter":  # their models build ALiBi / masks from the 2D mask as given
+            return None
         return _fixed_width_mask(cache, args, kwargs)
 
     return hook

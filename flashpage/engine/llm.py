@@ -147,7 +147,7 @@ class LLM:
                 raise UnsupportedModelError(f"flashpage.LLM cannot run {type(model).__name__} (model_type="
                                             f"{self.model.config.model_type!r}) exactly: {reason}. Use "
                                             "flashpage.patch(model) with model.generate() instead.")
-            if family.path != "interface" and not family.set_attention:  # its attention never reaches flashpage's
+            if not family.on_pages and not family.set_attention:  # its attention never reaches flashpage's
                 raise UnsupportedModelError(
                     f"flashpage.LLM cannot run {type(model).__name__} (model_type={self.model.config.model_type!r}) "
                     f"exactly: its attention does not run on the pages ({family.note}). Use flashpage.patch(model) "

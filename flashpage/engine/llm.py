@@ -22,7 +22,7 @@ import torch
 
 from flashpage.cache import KVGroup, PagedKVCache, default_block_size
 from flashpage.engine import prompt_logprobs
-from flashpage.engine.compiled import CompiledDecode, default_compile
+from flashpage.engine.compiled import CompiledDecode, CompiledStep, default_compile
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
 from flashpage.engine.generation_config import ModelProcessors, config_diff, sampling_defaults, unapplied_fields
 from flashpage.engine.generation_config import check_mode as check_generation_mode
@@ -64,7 +64,7 @@ class EngineStats:
     tokens_computed: int
     generated_tokens: int
     busy_seconds: float
-    compiled_steps: int = 0  # decode steps that ran through the compiled forward (LLM(compile=True))
+    compiled_steps: int = 0  # steps that ran through the compiled forward (LLM(compile=True))
     tp_rank: int = 0  # tensor parallel: this process's rank and the group size (1: no TP)
     tp_size: int = 1
     kv_heads: int = 0  # KV heads in this rank's pool (under TP: its local heads only)
@@ -220,8 +220,12 @@ class LLM:
             use_compile = False
         # CPU float32: linears through oneDNN inside the engine's eager forwards (engine/linears.py)
         self._onednn = self.device.type == "cpu" and install_onednn_linears(self.model) > 0
+        # CPU: every step kind through one compiled packed forward; CUDA: decode steps as CUDA graphs
+        self._compiled_step = CompiledStep(self.model, self._cache, self._cache_kwarg, max_num_batched_tokens,
+                                           self.device, onednn=self._onednn) \
+            if use_compile and self.device.type == "cpu" else None
         self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
-            if use_compile else None
+            if use_compile and self._compiled_step is None else None
         self._weights = WeightWatcher(self.model)  # KV of older weights is dropped, never reused (weights.py)
 
     def _generation_defaults(self, mode: str) -> dict[str, Any]:
@@ -297,7 +301,7 @@ class LLM:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), s.num_blocks, s.in_use,
                            s.free, s.cached, s.block_size, s.hit_rate, self.scheduler.num_preemptions,
                            c["steps"], c["computed"], c["generated"], c["busy"],
-                           self._compiled.steps if self._compiled is not None else 0,
+                           sum(x.steps for x in (self._compiled, self._compiled_step) if x is not None),
                            self._tp.info.rank if self._tp is not None else 0,
                            self._tp.info.size if self._tp is not None else 1,
                            self.sizing.num_kv_heads, self.sizing.total_bytes, tuple(self.kv.groups()),
@@ -570,7 +574,12 @@ class LLM:
         try:
             self._ensure_patched()
             seq_ids = [c.seq.seq_id for c in chunks]
-            if compiled is not None and compiled.eligible([c.num_tokens for c in chunks], [c.emits for c in chunks]):
+            if self._compiled_step is not None and self._compiled_step.eligible(len(ids)):
+                plan = self.kv.plan(seq_ids, [c.num_tokens for c in chunks], allocated=True)
+                with torch.inference_mode():
+                    logits = self._compiled_step.forward(plan, ids, pos, keep)
+            elif compiled is not None and compiled.eligible([c.num_tokens for c in chunks],
+                                                            [c.emits for c in chunks]):
                 with torch.inference_mode():
                     logits = compiled.forward(compiled.plan(self.kv, seq_ids), ids, pos)
             else:

@@ -493,15 +493,7 @@ def check_recurrent_state_in_cache(model: torch.nn.Module, report: ProbeReport) 
     return None
 
 
-def check_has_attention(model: torch.nn.Module, report: ProbeReport) -> str | None:
-    """A model with no attention layer (a pure state-space model) has nothing for the paged engine to hold."""
-    if not report.kv_shapes and report.state_layers:
-        return ("it is a pure state-space model with no attention layer, so there is no K/V for the paged engine to "
-                "hold (patched generate() runs it exactly with a state-only cache)")
-    return None
-
-
-ENGINE_CHECKS: list[EngineCheck] = [check_has_attention, check_recurrent_state_in_cache]
+ENGINE_CHECKS: list[EngineCheck] = [check_recurrent_state_in_cache]
 
 
 def engine_refusal_reason(model: torch.nn.Module, report: ProbeReport | None) -> str | None:

@@ -35,12 +35,18 @@ from flashpage.engine.sampler import Sampler
 from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
 from flashpage.engine.sequence import Group, Seq
 from flashpage.engine.sizing import KVSizing, plan_kv_pool, pool_warning
-from flashpage.engine.states import StateSlots, recurrent_states_of, restart_from_scratch, stateful_forward
+from flashpage.engine.states import (
+    StateSlots,
+    continues_chunks,
+    recurrent_states_of,
+    restart_from_scratch,
+    stateful_forward,
+)
 from flashpage.engine.structured import GrammarEngine, StructuredOutputsParams
 from flashpage.engine.weights import WeightWatcher, forget_kv
 from flashpage.errors import check_positive_ints
 from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
-from flashpage.patches.checks import engine_refusal_reason
+from flashpage.patches.checks import _probe_tokens, engine_refusal_reason
 from flashpage.patches.compat import cache_kwarg, require_supported_transformers
 from flashpage.patches.patching import UnsupportedModelError, patch_state
 
@@ -173,9 +179,11 @@ class LLM:
             if too_small:
                 warnings.warn(too_small, stacklevel=2)
             self.sizing: KVSizing = sizing
-            self.kv = PagedKVCache(sizing.num_layers, sizing.num_kv_heads, sizing.head_dim,
-                                   v_head_dim=sizing.v_head_dim, num_blocks=sizing.num_blocks,
-                                   block_size=sizing.block_size, dtype=sizing.dtype, device=sizing.layer_devices,
+            stores = sizing.num_groups > 0  # a pure state-space model stores no K/V: blocks without pages
+            self.kv = PagedKVCache(sizing.num_layers, sizing.num_kv_heads or None, sizing.head_dim or None,
+                                   v_head_dim=sizing.v_head_dim or None, num_blocks=sizing.num_blocks,
+                                   block_size=sizing.block_size, dtype=sizing.dtype,
+                                   device=sizing.layer_devices if stores else None,
                                    enable_prefix_caching=enable_prefix_caching,
                                    layer_geometry=sizing.layer_geometry, shared_layers=sizing.shared_layers)
         except BaseException:  # leave the model as it was given
@@ -184,6 +192,10 @@ class LLM:
             raise
         self._cache = HFPagedCache.wrap(self.kv, config)
         self._cache_kwarg = cache_kwarg(self.model)
+        # recurrent layers that restart from zero on a multi-token input (Mamba-1 mixers): continuing chunks
+        # of a prompt run one token at a time
+        self._token_by_token = self._states is not None and not continues_chunks(self._states_after, _probe_tokens(
+            config, 8))
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_prefill_with_decodes)
         self.sampler = Sampler(_eos_ids(self.model, tokenizer),
                                sync=self._tp.same_tokens if self._tp is not None else None)
@@ -604,6 +616,15 @@ class LLM:
         """Give decoders that derive positions from the cache's length (BART family) the step's own."""
         return self._positions.step(position_ids) if self._positions is not None else contextlib.nullcontext()
 
+    def _states_after(self, parts: list[list[int]]) -> dict:
+        """The recurrent states after feeding ``parts`` one forward after another to a fresh cache."""
+        cache = HFPagedCache(self.model.config)
+        with torch.inference_mode():
+            for part in parts:
+                self.model(input_ids=torch.tensor([part], device=self.device), use_cache=True,
+                           **{self._cache_kwarg: cache})
+        return cache.read_states()[0]
+
     def _stateful_forward(self, schedule: Schedule, keep: list[int]) -> torch.Tensor:
         """A model with recurrent layers: decodes as [B, 1] rows, other chunks alone (engine/states.py)."""
         assert self._states is not None
@@ -611,7 +632,7 @@ class LLM:
             self._ensure_patched()
             with torch.inference_mode():
                 logits = stateful_forward(self.model, self.kv, self._cache, self._cache_kwarg, self.device,
-                                          self._states, schedule.chunks, keep)
+                                          self._states, schedule.chunks, keep, self._token_by_token)
         except BaseException:
             self._cache.end_forward(ok=False)
             self.scheduler.rollback(schedule)

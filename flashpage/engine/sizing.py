@@ -60,6 +60,11 @@ class ProbedGeometry:
     shared_layers: dict[int, int]
 
     @property
+    def stores_kv(self) -> bool:
+        """Some layer stores K/V (False for a pure state-space model: no attention layer)."""
+        return any(g is not None for g in self.layer_geometry)
+
+    @property
     def first(self) -> LayerGeometry:
         """The first layer that stores K/V (what a single-geometry pool would use)."""
         stored = [g for g in self.layer_geometry if g is not None]
@@ -87,14 +92,15 @@ def probe_geometry(model: Any) -> ProbedGeometry:
     kv = cache.kv
     devices = [kv.layer_device(i) or device for i in range(kv.num_layers)]
     geometry = tuple(kv.layer_geometry(i) for i in range(kv.num_layers))
-    return ProbedGeometry(geometry, kv.dtype, devices, kv.shared_layers)
+    dtype = kv.dtype if kv.dtype is not None else next(model.parameters()).dtype  # no K/V stored: the model's
+    return ProbedGeometry(geometry, dtype, devices, kv.shared_layers)
 
 
 def refuse_custom_cache(model: Any) -> None:
     """Refuse models that need their own cache class (transformers never gives them a DynamicCache:
-    xLSTM, RWKV, Reformer, XLNet, the original MiniMax): the engine's paged cache cannot stand in for it;
-    and models whose recurrent state lives in their modules (RecurrentGemma): the engine could not keep
-    it per sequence."""
+    xLSTM, RWKV, Reformer, XLNet, the original MiniMax): the engine's paged cache cannot stand in for it.
+    (Recurrent state a model keeps in its modules, RecurrentGemma's, the engine swaps per forward:
+    ``HFPagedCache.module_states``.)"""
     from flashpage.patches import UnsupportedModelError
 
     supports = getattr(model, "_supports_default_dynamic_cache", None)
@@ -105,24 +111,6 @@ def refuse_custom_cache(model: Any) -> None:
             "cache class, which transformers never replaces by a standard cache and flashpage's paged cache cannot "
             "stand in for. flashpage.patch(model) + model.generate() leaves its cache alone (exact), or use it "
             "unpatched.")
-    holders = module_state_holders(model)
-    if holders:
-        name = getattr(model.config, "model_type", type(model).__name__)
-        raise UnsupportedModelError(
-            f"flashpage.LLM does not serve {type(model).__name__} (model_type={name!r}) yet: its recurrent layers keep "
-            f"their state in the modules themselves ({', '.join(holders[:3])}), one batch row per sequence and reset "
-            "by every prompt, so sequences batched together by the engine would share and overwrite it. "
-            "flashpage.patch(model) + model.generate() runs it exactly.")
-
-
-# instance attributes in which a module keeps recurrent state between forwards (RecurrentGemma)
-_MODULE_STATE_ATTRS = ("conv1d_state", "recurrent_states")
-
-
-def module_state_holders(model: Any) -> list[str]:
-    """Names of modules that keep recurrent state in their own attributes (not in the cache)."""
-    return [f"{name}.{attr}" for name, module in model.named_modules()
-            for attr in _MODULE_STATE_ATTRS if attr in vars(module)]
 
 
 def plan_kv_pool(model: Any, device: torch.device, block_size: int, *, num_blocks: int | None,
@@ -137,6 +125,10 @@ def plan_kv_pool(model: Any, device: torch.device, block_size: int, *, num_block
     """
     _check_utilization(gpu_memory_utilization)
     probed = probe_geometry(model)
+    if not probed.stores_kv:  # a pure state-space model: blocks hold no pages, they only count tokens
+        return KVSizing(len(probed.layer_geometry), 0, 0, 0, probed.dtype, probed.layer_devices, block_size,
+                        num_blocks or state_only_blocks(block_size, max_model_len, max_num_seqs), 0,
+                        probed.layer_geometry, probed.shared_layers)
     first = probed.first
     per_token = probed.bytes_per_token()
     block_bytes = per_token * block_size
@@ -154,6 +146,18 @@ def plan_kv_pool(model: Any, device: torch.device, block_size: int, *, num_block
     return KVSizing(len(probed.layer_geometry), first.num_kv_heads, first.head_dim, first.v_head_dim, probed.dtype,
                     probed.layer_devices, block_size, int(num_blocks), per_token, probed.layer_geometry,
                     probed.shared_layers)
+
+
+STATE_ONLY_TOKENS = 1 << 16  # tokens per sequence a pool without pages counts by default (when the model has no limit)
+STATE_ONLY_BLOCKS = 1 << 16  # blocks such a pool has at most by default (host bookkeeping only)
+
+
+def state_only_blocks(block_size: int, max_model_len: int | None, max_num_seqs: int) -> int:
+    """Blocks of a pool that stores no K/V (a pure state-space model): they cost no memory, so enough for
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens (of ``STATE_ONLY_TOKENS`` when unknown), at
+    most ``STATE_ONLY_BLOCKS``."""
+    per_seq = min(max_model_len or STATE_ONLY_TOKENS, STATE_ONLY_TOKENS)
+    return max(1, min(max_num_seqs * -(-per_seq // block_size), STATE_ONLY_BLOCKS))
 
 
 def default_cpu_budget(bytes_per_token: int, block_size: int, max_model_len: int | None, max_num_seqs: int) -> int:

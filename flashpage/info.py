@@ -112,6 +112,11 @@ def _cpu_attention() -> dict[str, str]:
     return {"backend": state.name, "reason": state.reason, "force_reference": f"{cpu_attention.ENV}=reference"}
 
 
+def _cpu_attention_line(state: dict[str, str]) -> str:
+    line = "CPU attention (float32/float64 pages): {backend}: {reason}".format(**state)
+    return line + (f" ({state['force_reference']} to force the PyTorch reference)" if state["backend"] == "cpp" else "")
+
+
 def _compile_label(device: str, on: bool | str) -> str:
     if isinstance(on, str):  # why it is unknown
         return on
@@ -130,8 +135,7 @@ def format_info(info: dict[str, Any]) -> str:
              "default block size: " + ", ".join(f"{k}={v}" for k, v in info["default_block_size"].items()),
              "CPU threads: {torch_threads} (OMP_NUM_THREADS={omp_num_threads}), {usable_cores} usable cores ({cores}); "
              "float32 linears in LLM: {cpu_linears}".format(**info["cpu_threads"]),
-             "CPU attention (float32/float64 pages): {backend}: {reason} ({force_reference} to force the "
-             "PyTorch reference)".format(**info["cpu_attention"]),
+             _cpu_attention_line(info["cpu_attention"]),
              "LLM compiled decode steps by default: " + ", ".join(
                  f"{k}={_compile_label(k, v)}" for k, v in info["compiled_decode"].items()),
              "kernels:"]

@@ -67,7 +67,7 @@ def test_causal_mask_on_non_causal_module() -> None:
     ("llama4_text", r"chunked attention"),
     ("git", r"test forward through flashpage's cache failed"),
     ("dory", r"looped / recurrent-depth layers"),
-    ("got_ocr2", r"AttentionInterface"),
+    ("rwkv", r"no attention: its recurrent \(time-mixing\) state"),
 ])
 def test_refusals_name_type_and_reason(model_type: str, reason: str) -> None:
     model = sm.build_model(model_type)

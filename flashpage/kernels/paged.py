@@ -31,12 +31,16 @@ class LayerOptions:
         causal: bottom-right causal mask.
         window_size: (left, right) sliding window, -1 = unbounded.
         softcap: 0 = off, else ``softcap * tanh(score / softcap)``.
+        chunk: chunked attention (Llama 4's local layers), 0 = off: key j is visible to the query at
+            position p (= i + Sk - Sq) iff ``j // chunk == p // chunk`` (and causal). flash-attn has no
+            such mode: these layers always run on the PyTorch mask path (:func:`attend_static`).
     """
 
     softmax_scale: float | None = None
     causal: bool = True
     window_size: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
+    chunk: int = 0
 
 
 def store(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -68,8 +72,9 @@ def store(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def visible_keys(seqlens_k: torch.Tensor, seqlen_q: int, width: int, causal: bool,
-             window_size: tuple[int, int]) -> torch.Tensor:
-    """(B, 1, Sq, width) bool: key j visible to query row i of sequence b (flash-attn section 3)."""
+                 window_size: tuple[int, int], chunk: int = 0) -> torch.Tensor:
+    """(B, 1, Sq, width) bool: key j visible to query row i of sequence b (flash-attn section 3; with
+    ``chunk`` > 0 also only keys of the query's chunk: ``j >= p - p % chunk`` for p = i + Sk - Sq)."""
     dev = seqlens_k.device
     sk = seqlens_k.to(torch.int64).view(-1, 1, 1)
     pos = torch.arange(width, device=dev).view(1, 1, width)
@@ -82,6 +87,8 @@ def visible_keys(seqlens_k: torch.Tensor, seqlen_q: int, width: int, causal: boo
         visible = visible & (pos <= diag + right)
     if left >= 0:
         visible = visible & (pos >= diag - left)
+    if chunk > 0:
+        visible = visible & (pos >= diag - diag.remainder(chunk))
     return visible.unsqueeze(1)
 
 
@@ -108,12 +115,12 @@ def attend_static(qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     ids = block_table.reshape(-1)
     k = k_pages.index_select(0, ids).view(b, width, kv_heads, d).transpose(1, 2)  # (B, Hk, W, D)
     v = v_pages.index_select(0, ids).view(b, width, kv_heads, v_pages.shape[-1]).transpose(1, 2)
-    if all_keys is not None and opts.softcap == 0 and s_aux is None:
+    if all_keys is not None and opts.softcap == 0 and s_aux is None and not opts.chunk:
         scale = d**-0.5 if opts.softmax_scale is None else float(opts.softmax_scale)
         return F.scaled_dot_product_attention(qh, k[:, :, :all_keys], v[:, :, :all_keys], scale=scale,
                                               enable_gqa=heads != kv_heads).to(qh.dtype)
     if visible is None:
-        visible = visible_keys(seqlens_k, sq, width, opts.causal and sq > 1, opts.window_size)
+        visible = visible_keys(seqlens_k, sq, width, opts.causal and sq > 1, opts.window_size, opts.chunk)
     scale = d**-0.5 if opts.softmax_scale is None else float(opts.softmax_scale)
     if opts.softcap == 0 and s_aux is None:
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=visible, scale=scale,

@@ -33,7 +33,8 @@ _LAZY = {
     "LLM": "flashpage.engine", "SamplingParams": "flashpage.engine", "RequestOutput": "flashpage.engine",
     "CompletionOutput": "flashpage.engine", "StreamOutput": "flashpage.engine", "EngineStats": "flashpage.engine",
     "StructuredOutputsParams": "flashpage.engine",
-    "load_tiny_model": "flashpage.tiny", "RankDivergence": "flashpage.engine.distributed",
+    "load_tiny_model": "flashpage.tiny", "bind_cpu_threads": "flashpage.cpu_threads",
+    "RankDivergence": "flashpage.engine.distributed",
 }
 
 __all__ = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,6 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
     size = args.tensor_parallel_size
     if size < 1:
         raise ValueError(f"--tensor-parallel-size {size}: give the number of ranks (>= 1)")
+    _bind_serve_threads(args.cpu_bind, size)
     if size > 1:
         from flashpage.serve import tp
 
@@ -75,6 +77,20 @@ def _serve(args: argparse.Namespace) -> int:
             return tp.relaunch(size, args.argv)
         return tp.run_tp_server(options, size)
     return run_server(options)
+
+
+def _bind_serve_threads(spec: str | None, ranks: int) -> None:
+    """``--cpu-bind``: the server owns its process, so it binds its threads as vLLM does (see
+    flashpage/cpu_threads.py); ranks of a tensor-parallel server share the cores and stay unbound."""
+    from flashpage.cpu_threads import ENV, bind_cpu_threads, choose_cores
+
+    spec = spec or os.environ.get(ENV) or ("none" if ranks > 1 else "auto")
+    if ranks > 1 and spec != "none":
+        raise ValueError(f"--cpu-bind {spec} with --tensor-parallel-size {ranks}: the ranks would share the cores; "
+                         "leave --cpu-bind unset (or 'none') under tensor parallelism")
+    choose_cores(spec)  # a bad core list is refused before the model loads
+    binding = bind_cpu_threads(spec)
+    print(f"flashpage serve: CPU {binding.describe()}", file=sys.stderr)
 
 
 def _add_serve(sub: Any) -> None:
@@ -91,6 +107,10 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish (default 30)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--cpu-bind", default=None, metavar="auto|none|CORES",
+                   help="bind the server's threads to cores, as vLLM does: 'auto' (default: the first N usable cores "
+                        "for N threads, OMP_NUM_THREADS or torch's count), 'none', or a list such as '0-3,6' "
+                        "(env FLASHPAGE_CPU_BIND)")
     g = p.add_argument_group("engine options (flashpage.LLM)")
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--num-blocks", type=int, default=None)

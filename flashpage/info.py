@@ -90,10 +90,9 @@ def collect_info() -> dict[str, Any]:
 
 def _threads() -> dict[str, Any]:
     """torch's intra-op threads, who set them, the cores this process may use, and the CPU linears."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 0
+    from flashpage.cpu_threads import format_cores, usable_cores
+
+    cores = usable_cores()
     try:
         from flashpage.engine.linears import ENV, onednn_available
     except ImportError as exc:  # the engine needs a supported transformers
@@ -101,7 +100,7 @@ def _threads() -> dict[str, Any]:
     else:
         linears = "oneDNN in LLM steps" if onednn_available() else f"torch F.linear ({ENV}=torch or no oneDNN)"
     return {"torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "usable_cores": cores, "cpu_linears": linears}
+            "usable_cores": len(cores), "cores": format_cores(cores), "cpu_linears": linears}
 
 
 def _compile_label(device: str, on: bool | str) -> str:
@@ -120,7 +119,7 @@ def format_info(info: dict[str, Any]) -> str:
              "devices: " + ", ".join(info["devices"]),
              "flash-attn backends: " + "; ".join(f"{k}: {v}" for k, v in info["flash_backends"].items()),
              "default block size: " + ", ".join(f"{k}={v}" for k, v in info["default_block_size"].items()),
-             "CPU threads: {torch_threads} (OMP_NUM_THREADS={omp_num_threads}), {usable_cores} usable cores; "
+             "CPU threads: {torch_threads} (OMP_NUM_THREADS={omp_num_threads}), {usable_cores} usable cores ({cores}); "
              "float32 linears in LLM: {cpu_linears}".format(**info["cpu_threads"]),
              "LLM compiled decode steps by default: " + ", ".join(
                  f"{k}={_compile_label(k, v)}" for k, v in info["compiled_decode"].items()),

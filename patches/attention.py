@@ -11,7 +11,9 @@ would try to import flash-attn). The attention function has two paths:
   (``unpatched.py``): losses, gradients and dropout are exactly the unpatched model's;
 - dense: a model that expands cached latents, attention weights asked for, or a previous
   implementation flashpage cannot call (flex, flash-attn): the given K/V with transformers' own
-  mask, computed as transformers' sdpa (or, for softcap, sinks and weights, eager) attention does.
+  mask, computed as transformers' sdpa (or, for softcap, sinks and weights, eager) attention does;
+  in a step the engine planned, varlen attention over each scheduled sequence's whole K/V
+  (``HFPagedCache.step_kv``), ``cu_seqlens_q`` / ``cu_seqlens_k`` from the plan, causal bottom-right.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from flashpage.kernels import dispatch
 from flashpage.kernels.paged import LayerOptions
 from flashpage.patches.unpatched import run_unpatched, unpatched_attention
 
@@ -86,9 +89,15 @@ def pagedkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     layer = getattr(module, "layer_idx", None)
     if layer is not None and layer < 0 and cache is not None:  # one module shared by several layers (Zamba2's
         layer = cache.last_written  # attention block, layer_idx=-1): the layer whose K/V update() just wrote
-    paged = cache is not None and cache.plan is not None and not cache.dense_view and layer is not None
     weights = bool(kwargs.get("output_attentions", False))
     indices = kwargs.get("indices")  # a sparse-attention indexer's top-k keys per query (DeepSeek-V3.2 DSA)
+    engine_dense = cache is not None and cache.dense_view and cache.plan is not None and not cache.owns_plan
+    if engine_dense and indices is not None:
+        raise RuntimeError("flashpage: the engine's dense-view step does not apply a sparse indexer's top-k keys "
+                           "(LLM refuses such models up front: checks.check_no_sparse_indexer)")
+    if engine_dense and not weights:
+        return _step_dense(cache, query, key, value, options), None  # the engine's step on the dense view
+    paged = cache is not None and cache.plan is not None and not cache.dense_view and layer is not None
     chunk = state.chunks.get(layer, 0) if paged and getattr(state, "chunks", None) else 0
     # a sliding window (or chunk) counts padded positions; pages hold real tokens only: padding inside a
     # sequence (right padding, masks with holes) needs the logical layout for windowed layers; top-k indices
@@ -148,8 +157,41 @@ def _paged(cache: Any, layer: int, query: torch.Tensor, options: dict[str, Any],
     no backend choice, no host reads: this runs once per layer). ``chunk``: chunked attention's size."""
     kv = cache.kv
     opts = LayerOptions(options["softmax_scale"], options["causal"], options["window_size"], options["softcap"],
-                        chunk)
+                        chunk=chunk)
     return _step(cache, query).attend(query, kv.k_pages(layer), kv.v_pages(layer), opts, options.get("s_aux"))
+
+
+def _step_dense(cache: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                options: dict[str, Any]) -> torch.Tensor:
+    """A step the engine planned, on the dense view: varlen attention of the step's queries over each
+    sequence's whole K/V as the model hands them after its own per-token transforms (flash-attn's
+    ``flash_attn_varlen_func`` contract: ``cu_seqlens_q`` over the step's tokens, ``cu_seqlens_k`` over
+    the sequences' keys, causal bottom-right aligned).
+
+    Args:
+        query: (R, H, L, D): the packed step (R = 1) or one row per sequence (R = B).
+        key / value: (R, H', W, D) / (R, H', W, Dv) in :meth:`HFPagedCache.step_kv`'s layout.
+
+    Returns:
+        (R, L, H, Dv) contiguous.
+    """
+    step = cache.step if cache.step.input_slots.device == query.device else cache.plan.to(query.device)
+    plan = step.plan
+    rows, heads, length, d = query.shape
+    if step.token_index is not None or step.pad_rows is not None:
+        raise RuntimeError("flashpage: the engine's dense-view step takes unpadded input (a packed step, equal rows)")
+    q = query.transpose(1, 2).reshape(rows * length, heads, d)
+    k, v = cache.step_keys(key), cache.step_keys(value)
+    dv = v.shape[-1]
+    width = max(d, dv)  # flash-attn's varlen takes one head size: zero columns change no score and no output
+    q, k, v = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
+    scale = options["softmax_scale"] if options["softmax_scale"] is not None else d ** -0.5
+    out = dispatch.flash_attn_varlen_func(q.contiguous(), k.contiguous(), v.contiguous(), step.cu_seqlens_q,
+                                          step.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k,
+                                          softmax_scale=scale, causal=options["causal"],
+                                          window_size=options["window_size"], softcap=options["softcap"],
+                                          s_aux=options.get("s_aux"))
+    return out[..., :dv].reshape(rows, length, heads, dv).contiguous()
 
 
 def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,

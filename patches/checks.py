@@ -14,8 +14,9 @@ exact relaxes exactly that check.
 A model whose attention receives K/V other than the ones ``update`` returned (multi-head latent
 attention expanding cached latents, DiffLlama splitting V, JetMoE repeating K/V per expert) is not
 refused: it is switched to the dense-view path (the cache returns the whole padded K/V, the model
-transforms it, attention runs on what the model hands it), which is exact; ``LLM`` needs attention on
-the pages and refuses it. The probe runs once per model object; its result is kept on the model.
+transforms it, attention runs on what the model hands it), which is exact, in ``LLM`` too (each
+scheduled sequence's whole K/V, varlen attention: ``attention._step_dense``). The probe runs once
+per model object; its result is kept on the model.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class ProbeReport:
             (``patch`` makes them causal while patched).
         transformers_layers: per layer, what transformers' own cache for this config holds
             (``"full"``, ``"sliding:W"``, ``"chunked:W"``, ``"linear"``, ``"dummy"`` or a class name).
+        indexer_layers: layers whose sparse-attention indexer stored keys through ``cache.update_indexer``.
     """
 
     updates: list[Counter] = field(default_factory=list)
@@ -112,6 +114,7 @@ class ProbeReport:
     causal_by_mask: list[torch.nn.Module] = field(default_factory=list)
     error: BaseException | None = None
     transformers_layers: list[str] = field(default_factory=list)
+    indexer_layers: list[int] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------- recording
@@ -235,6 +238,11 @@ class _ProbeCache(HFPagedCache):
         if self.recorder is not None:
             self.recorder.updated(layer_idx, (key_states, value_states), key, value)
         return key, value
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        if self.recorder is not None and layer_idx not in self.recorder.report.indexer_layers:
+            self.recorder.report.indexer_layers.append(layer_idx)
+        return super().update_indexer(indexer_key_states, layer_idx)
 
 
 @contextmanager
@@ -550,7 +558,17 @@ def check_mask_not_edited(model: torch.nn.Module, report: ProbeReport) -> str | 
     return None
 
 
-ENGINE_CHECKS: list[EngineCheck] = [check_has_attention, check_recurrent_state_in_cache, check_mask_not_edited]
+def check_no_sparse_indexer(model: torch.nn.Module, report: ProbeReport) -> str | None:
+    """A sparse-attention indexer (DeepSeek-V3.2 DSA) scores its keys under transformers' mask and hands the
+    attention top-k positions in the padded [B, L] layout: the engine's packed steps have neither."""
+    if report.indexer_layers:
+        return (f"its sparse-attention indexer (layers {sorted(report.indexer_layers)}) selects keys under "
+                "transformers' padded mask, which the engine's packed steps do not have")
+    return None
+
+
+ENGINE_CHECKS: list[EngineCheck] = [check_has_attention, check_recurrent_state_in_cache, check_mask_not_edited,
+                                    check_no_sparse_indexer]
 
 
 def engine_refusal_reason(model: torch.nn.Module, report: ProbeReport | None) -> str | None:

@@ -247,6 +247,7 @@ class HFPagedCache(Cache):
         self._offset: torch.Tensor | None = None  # the logical length as a 0-d tensor on the input device
         self._owns_plan = False
         self._pending = 0  # new tokens of the forward in flight (committed by end_forward)
+        self._step_keys_cache: tuple | None = None  # (plan, rows, {device: (slots, valid)}, slots, valid): step_kv's
 
     @property
     def _real(self) -> torch.Tensor:
@@ -353,6 +354,8 @@ class HFPagedCache(Cache):
         self.kv.write(layer_idx, k, v, step)
         self.last_written = layer_idx
         if self.dense_view:
+            if not self._owns_plan:  # the engine's step: each scheduled sequence's whole K/V
+                return self.step_kv(layer_idx, key_states.dtype, b)
             return self.dense_kv(layer_idx, key_states.dtype)
         return key_states, value_states
 
@@ -636,6 +639,68 @@ class HFPagedCache(Cache):
             if ids is not None:
                 layer.indexer_position_ids = ids.index_select(1, torch.as_tensor(rows, dtype=torch.long,
                                                                                  device=ids.device))
+
+    def step_kv(self, layer_idx: int, dtype: torch.dtype, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense view of a step the caller planned (the engine): every sequence's whole K/V, this
+        step's tokens included, read from the pages.
+
+        ``rows`` is the forward's batch: 1 (the packed ``[1, T]`` step) gives ``(1, Hk, sum_k, D)``, the
+        sequences' keys back to back (``plan.cu_seqlens_k`` splits them); one row per sequence (the
+        ``[B, L]`` steps of models with recurrent layers) gives ``(B, Hk, max_k, D)``, right-padded with
+        zeros. The model may transform them per token (expand MLA latents, split or repeat heads) before
+        its attention call; :meth:`step_keys` turns what it hands the attention back into packed rows.
+        """
+        k_pages, v_pages = self.kv.k_pages(layer_idx), self.kv.v_pages(layer_idx)
+        index, valid = self._step_index(rows, k_pages.device)
+        k = k_pages.flatten(0, 1).index_select(0, index)
+        v = v_pages.flatten(0, 1).index_select(0, index)
+        if valid is None:
+            return k.transpose(0, 1).unsqueeze(0).to(dtype), v.transpose(0, 1).unsqueeze(0).to(dtype)
+        dense_k = k.new_zeros((rows, valid.shape[1], *k.shape[1:]))
+        dense_v = v.new_zeros((rows, valid.shape[1], *v.shape[1:]))
+        dense_k[valid] = k
+        dense_v[valid] = v
+        return dense_k.transpose(1, 2).to(dtype), dense_v.transpose(1, 2).to(dtype)
+
+    def step_keys(self, t: torch.Tensor) -> torch.Tensor:
+        """``(R, H, W, D)`` as :meth:`step_kv` laid it out (possibly transformed per token) ->
+        ``(sum_k, H, D)`` packed sequence after sequence, as ``plan.cu_seqlens_k`` splits them."""
+        _, valid = self._step_index(t.shape[0], t.device)
+        if valid is None:
+            return t[0].transpose(0, 1)
+        return t.transpose(1, 2)[valid]
+
+    def _step_index(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Page slot of every key of this step's sequences ``(sum_k,)`` int64, and for a ``[B, L]``
+        input the ``(B, max_k)`` bool mask of real keys (None for a packed input), on ``device``.
+        Built once per step and device, shared by the layers."""
+        plan = self.plan
+        cached = self._step_keys_cache
+        if cached is None or cached[0] is not plan or cached[1] != rows:
+            cached = self._step_keys_cache = (plan, rows, {}, *self._step_slots(plan, rows))
+        on_device = cached[2].get(device)
+        if on_device is None:
+            index, valid = cached[3], cached[4]
+            on_device = cached[2][device] = (index.to(device), valid.to(device) if valid is not None else None)
+        return on_device
+
+    @staticmethod
+    def _step_slots(plan: StepPlan, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Host side of :meth:`_step_index`: slot ``table[b, p // P] * P + p % P`` of key p of sequence b."""
+        n = len(plan.seq_ids)
+        if rows not in (1, n):
+            raise RuntimeError(f"HFPagedCache: a dense-view step of {n} sequences needs a packed [1, T] input or one "
+                               f"row per sequence, got {rows} rows")
+        lens = torch.tensor(plan.key_lens, dtype=torch.long)
+        seq = torch.repeat_interleave(torch.arange(n), lens)
+        starts = torch.cumsum(lens, 0) - lens
+        pos = torch.arange(int(lens.sum())) - starts[seq]
+        bs = plan.block_size
+        index = plan.block_table.to(torch.long)[seq, pos // bs] * bs + pos % bs
+        valid = None
+        if rows > 1:
+            valid = torch.arange(int(lens.max()))[None, :] < lens[:, None]
+        return index, valid
 
     # -------------------------------------------------------------- reporting
     # ------------------------------------------------------- engine state slots

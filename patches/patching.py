@@ -31,6 +31,7 @@ from flashpage.patches.deepseek import NOTE as MLA_NOTE
 from flashpage.patches.deepseek import is_mla
 from flashpage.patches.families import FamilySpec, family_for
 from flashpage.patches.hf_cache import HFPagedCache
+from flashpage.patches.legacy import ABSENT
 
 _STATE_ATTR = "_flashpage_patch"
 _CACHE_KWARGS = ("cache", "past_key_values")
@@ -96,6 +97,8 @@ def _install(model: torch.nn.Module, state: PatchState) -> None:
     family = state.family
     if family.set_attention:
         model.set_attn_implementation(ATTN_NAME)
+    if family.install is not None:
+        state.restore.extend(family.install(model))
     for module in model.modules():
         module._flashpage_state = state
     for module in _hooked_modules(model):
@@ -174,7 +177,10 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     for handle in state.hooks:
         handle.remove()
     for obj, name, value in reversed(state.restore):
-        setattr(obj, name, value)
+        if value is ABSENT:
+            vars(obj).pop(name, None)
+        else:
+            setattr(obj, name, value)
     if "set_attn_implementation" in vars(model):
         del model.set_attn_implementation
     if state.user_set_attn is not None:
@@ -248,7 +254,7 @@ def _family_of(model: torch.nn.Module) -> FamilySpec:
         raise UnsupportedModelError(
             f"flashpage cannot patch {name} (model_type={config.model_type!r}{inner}): its attention does not go "
             "through transformers' AttentionInterface and flashpage has no adapter for it. Use it unpatched, "
-            "or add an adapter module in flashpage/patches (see patches/falcon.py).")
+            "or add an adapter module in flashpage/patches (see patches/legacy.py).")
     return family
 
 
@@ -320,6 +326,8 @@ def _pre_hook(state: PatchState):
             batch, length = shaped.shape[0], shaped.shape[1]
             cache.begin_forward(input_ids, batch, length, inputs.get("attention_mask"), shaped.device)
         state.active_cache = cache
+        if state.family.path == "adapter":  # their models build ALiBi / masks from the 2D mask as given
+            return None
         return _fixed_width_mask(cache, args, kwargs)
 
     return hook

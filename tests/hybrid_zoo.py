@@ -69,7 +69,7 @@ HYBRIDS: dict[str, dict[str, Any]] = {
              "router_hidden_size": 16},  # every layer "hybrid": K/V and a conv state in one layer
 }
 PURE_SSM = ("mamba", "mamba2", "falcon_mamba")  # no attention layer at all
-DENSE_VIEW = ("kimi_linear", "bailing_hybrid")  # MLA attention (latents expanded after the cache): generate() only
+DENSE_VIEW = ("kimi_linear", "bailing_hybrid")  # MLA attention (latents expanded after the cache): the dense view
 
 
 def tiny_hybrid(model_type: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:

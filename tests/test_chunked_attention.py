@@ -55,7 +55,7 @@ def test_chunked_attend_static_matches_a_loop_in_float64(sq: int) -> None:
     kv.write(0, torch.cat(keys), torch.cat(values), plan)
     q = torch.randn(len(lengths), heads, sq, d, generator=g, dtype=torch.float64)
     seqlens = torch.tensor(lengths)
-    opts = LayerOptions(0.3, True, (-1, -1), 0.0, chunk)
+    opts = LayerOptions(0.3, True, (-1, -1), 0.0, chunk=chunk)
     got = attend_static(q, kv.k_pages(0), kv.v_pages(0), plan.block_table, seqlens, opts)
     torch.testing.assert_close(got, _naive(q, keys, values, chunk, 0.3), rtol=1e-12, atol=1e-12)
     # the chunk is what restricts it: without it the result is plain causal attention

@@ -6,7 +6,9 @@ models. Checked against unpatched greedy generate() per prompt, token for token 
 at a reference tie) with every chosen token's log-probability within 1e-4: a batch with chunked
 prompts for each hybrid family, ``n > 1`` (forked samples copy the parent's state), preemption in a
 tiny pool (recompute from a fresh state), a forward that fails part-way (the step's sequences start
-over), prompt logprobs, the statistics, and the refusal of pure state-space models.
+over), prompt logprobs, the statistics, and the refusal of pure state-space models. The MLA hybrids
+(Kimi-Linear, Ling hybrid) take the dense view in their ``[B, L]`` rows: each row's whole latent K/V
+read back right-padded, attention varlen over the real keys (test_dense_view_llm.py has the packed step).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
 
 MAX_NEW = 8
 TOL = 1e-4
-ENGINE_TYPES = [t for t in HYBRIDS if t not in PURE_SSM + DENSE_VIEW]
+ENGINE_TYPES = [t for t in HYBRIDS if t not in PURE_SSM]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +99,7 @@ def test_seeded_samples_do_not_depend_on_batching(models: dict[str, torch.nn.Mod
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "lfm2"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "lfm2", *DENSE_VIEW])
 def test_preemption_recomputes_from_a_fresh_state(models: dict[str, torch.nn.Module], model_type: str) -> None:
     model = _model(models, model_type)
     prompts = random_prompts(4, 5, 11, seed=4)
@@ -160,15 +162,6 @@ def test_pure_state_space_models_are_refused_with_the_reason(model_type: str) ->
     with pytest.raises(TypeError, match="pure state-space model.*generate"):
         LLM(model, num_blocks=16, block_size=4)
     assert not flashpage.is_patched(model)  # left as it was given
-
-
-@pytest.mark.parametrize("model_type", DENSE_VIEW)
-def test_dense_view_hybrids_are_refused_up_front(model_type: str) -> None:
-    """MLA hybrids (Kimi-Linear, Ling/Bailing hybrid) attend on latents expanded after the cache:
-    exact in patched generate(), refused by LLM before any request."""
-    model = tiny_hybrid(model_type)
-    with pytest.raises(TypeError, match=model_type):
-        LLM(model, num_blocks=16, block_size=4)
 
 
 def test_plain_models_keep_the_packed_path_and_prefix_caching() -> None:

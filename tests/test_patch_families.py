@@ -49,7 +49,7 @@ LOGIT_ATOL = 1e-4
 MIN_IDENTICAL_FRACTION = 0.9
 
 # Families routed through an adapter rather than the generic attention-interface path.
-EXPECTED_PATH = {"falcon": "dense-view", "bloom": "dense-view"}
+EXPECTED_PATH = {"falcon": "adapter", "bloom": "adapter"}
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 

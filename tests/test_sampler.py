@@ -10,7 +10,15 @@ from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsW
 from flashpage.bench import sampler as sampler_bench
 from flashpage.bench.sampler import sampling_seqs
 from flashpage.engine import SamplingParams
-from flashpage.engine.sampler import Sampler, filter_logits, filter_logits_batched, top_k_candidates
+from flashpage.engine.sampler import (
+    NUCLEUS_TRIES,
+    Sampler,
+    draw,
+    filter_logits,
+    filter_logits_batched,
+    sample_nucleus,
+    top_k_candidates,
+)
 
 
 def _old_filter_batched(rows: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
@@ -169,3 +177,54 @@ def test_bench_sampler_case_runs():
     text = sampler_bench.format_report({"batch": 4, "threads": 1, "load_average_1m": 0.0, "rows": [row],
                                         "goal": "g", "goal_met": row["ratio"] <= 1.0})
     assert "k=50" in text and "ms" in text
+
+
+def test_draw_follows_the_probabilities_and_never_draws_a_zero():
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0]])  # unnormalised rows allowed
+    torch.manual_seed(0)
+    picks = torch.stack([draw(probs.expand(2, 5)) for _ in range(4000)])
+    freq = torch.bincount(picks[:, 0], minlength=5).float() / 4000
+    assert torch.equal(freq > 0, probs[0] > 0)
+    assert torch.allclose(freq, probs[0], atol=0.03), freq
+    assert set(picks[:, 1].tolist()) == {4}
+
+
+@pytest.mark.parametrize("tries", [NUCLEUS_TRIES, 0])  # 0: every row through the sort-based fallback
+def test_nucleus_draws_follow_the_filtered_softmax(tries):
+    """Rejection draws (and the sort fallback) have the distribution of filter_logits' row, for
+    top-p alone, min-p alone, both, and a small top-p whose nucleus is one or two tokens."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0, -4.0])
+    settings = [(0.9, 0.0), (1.0, 0.2), (0.8, 0.1), (0.3, 0.0), (1.0, 0.0)]
+    rows = 3000
+    torch.manual_seed(1)
+    for top_p, min_p in settings:
+        tokens = torch.tensor(sample_nucleus(logits.repeat(rows, 1), [top_p] * rows, [min_p] * rows, tries))
+        want = torch.softmax(filter_logits(logits, 0, top_p, min_p), -1)
+        freq = torch.bincount(tokens, minlength=8).float() / rows
+        assert torch.equal(freq > 0, want > 0), (top_p, min_p, freq, want)
+        assert torch.allclose(freq, want, atol=0.035), (top_p, min_p, freq, want)
+
+
+def test_sampler_top_p_rows_without_top_k_follow_the_filtered_softmax():
+    """The engine's unseeded top-p path (what RL rollouts use): rows of different settings in one batch."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 50, generator=g) * 2
+    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(top_p=0.6, min_p=0.02)]
+    rows = 2500
+    torch.manual_seed(2)
+    seqs = sampling_seqs([params[0]] * rows + [params[1]] * rows)
+    tokens = torch.tensor(Sampler([])(torch.cat([logits[:1].repeat(rows, 1), logits[1:].repeat(rows, 1)]), seqs))
+    for i, p in enumerate(params):
+        want = torch.softmax(filter_logits(logits[i] / p.temperature, -1, p.top_p, p.min_p), -1)
+        freq = torch.bincount(tokens[i * rows:(i + 1) * rows], minlength=50).float() / rows
+        assert torch.equal(freq > 0, want > 0) or bool((want[freq == 0] < 2e-3).all()), (i, freq, want)
+        assert not bool((freq[want == 0] > 0).any()), i  # never a token outside the nucleus
+        assert torch.allclose(freq, want, atol=0.035), (i, freq, want)
+
+
+def test_a_uniform_rounded_past_the_total_draws_the_last_positive_entry():
+    from flashpage.engine.sampler import _last_positive_past_end
+
+    values = torch.tensor([[0.2, 0.5, 0.0, 0.0], [0.1, 0.0, 0.3, 0.6]])
+    got = _last_positive_past_end(torch.tensor([4, 2]), values)  # row 0 past the end, row 1 inside
+    assert got.tolist() == [1, 2]

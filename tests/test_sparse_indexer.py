@@ -184,3 +184,10 @@ def test_mask_edited_by_the_model_is_exact_in_generate_and_refused_by_llm(model_
     with pytest.raises(flashpage.UnsupportedModelError, match="edit the attention mask themselves"):
         flashpage.LLM(model, block_size=4, num_blocks=64, compile=False)
     flashpage.unpatch(model)
+
+
+def test_llm_refuses_a_sparse_indexer_naming_it(dsa: torch.nn.Module) -> None:
+    """The engine's packed steps have no padded mask for the indexer to score under: refused up front."""
+    with pytest.raises(flashpage.UnsupportedModelError, match=r"model_type='deepseek_v32'.*sparse-attention indexer"):
+        flashpage.LLM(dsa, block_size=4, num_blocks=64, compile=False)
+    assert not flashpage.is_patched(dsa)

@@ -10,9 +10,10 @@ imports only vLLM). Both systems get:
 - the same engine settings: ``max_num_seqs``, ``max_num_batched_tokens``, prefix caching on, block
   size (vLLM's CPU attention needs a multiple of 32: 128 by default here, for both), the same KV pool
   in bytes, float32, ``max_model_len``;
-- the same threads: flashpage runs with ``torch.set_num_threads(threads)``; vLLM with
-  ``OMP_NUM_THREADS=threads`` and its threads bound to cores ``0..threads-1``
-  (``VLLM_CPU_OMP_THREADS_BIND``, what vLLM does by default on its own).
+- the same threads on the same cores: vLLM with ``OMP_NUM_THREADS=threads`` and its threads bound
+  to cores ``0..threads-1`` (``VLLM_CPU_OMP_THREADS_BIND``, what vLLM does by default on its own; a
+  value already set in the environment is kept); flashpage with ``threads`` torch threads and this
+  process's threads bound to the same cores for its runs (:mod:`flashpage.cpu_threads`).
 
 Runs alternate (flashpage, vLLM, flashpage, vLLM, ...), ``rounds`` pairs; the report gives every
 run, the best and median throughput of each, the ratio of each pair and their median, the load
@@ -36,6 +37,7 @@ import torch
 
 from flashpage.bench.engine import MAX_BATCHED_TOKENS, _pool_blocks, _warm_prompts, make_workload, run_flashpage
 from flashpage.bench.models import load_average, load_bench_model
+from flashpage.cpu_threads import bound_cpu_threads
 from flashpage.errors import FlashpageError
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
@@ -116,9 +118,14 @@ def _vllm_env(threads: int) -> dict[str, str]:
     env.pop("PYTHONPATH", None)  # vLLM's interpreter must not pick up this checkout's packages
     env.update({"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
-                "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND",
-                                                     "0" if threads == 1 else f"0-{threads - 1}")})
+                "VLLM_CPU_OMP_THREADS_BIND": cpu_bind_spec(threads)})
     return env
+
+
+def cpu_bind_spec(threads: int) -> str:
+    """The cores both systems' threads are bound to: ``VLLM_CPU_OMP_THREADS_BIND`` where set, else
+    cores ``0..threads-1`` (vLLM's own default binding on a one-socket machine)."""
+    return os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or ("0" if threads == 1 else f"0-{threads - 1}")
 
 
 def run_vllm(python: str, spec: dict[str, Any], workdir: Path, timeout: float = 1800.0) -> dict[str, Any]:
@@ -184,12 +191,15 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
         vl_runs: list[float] = []
         fp_tokens: list[list[int]] = []
         vl_result: dict[str, Any] = {}
+        fp_binding = ""
         try:
             torch.set_num_threads(settings.threads)
             for r in range(rounds):
                 _log(f"round {r + 1}/{rounds}: flashpage.LLM")
-                fp = run_flashpage(bm.model, work, num_blocks, bm.vocab_size, seed, settings.max_num_seqs,
-                                   settings.block_size, settings.max_num_batched_tokens)
+                with bound_cpu_threads(cpu_bind_spec(settings.threads)) as binding:  # vLLM's cores, its runs only
+                    fp = run_flashpage(bm.model, work, num_blocks, bm.vocab_size, seed, settings.max_num_seqs,
+                                       settings.block_size, settings.max_num_batched_tokens)
+                    fp_binding = binding.describe()
                 fp_runs.append(fp["output_tokens"] / fp["seconds"])
                 fp_tokens = fp["tokens"]
                 _log(f"round {r + 1}/{rounds}: vLLM ({fp_runs[-1]:.1f} tok/s for flashpage)")
@@ -203,7 +213,8 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
         "bench": "engine_vs_vllm", "workload": workload, "workload_description": work.description,
         "quick": quick, "model": bm.name, "parameters": bm.parameters, "vllm_version": version,
         "settings": {**settings.__dict__, "kv_pool_blocks": num_blocks, "kv_pool_bytes": spec["kv_cache_memory_bytes"],
-                     "max_model_len": max_model_len, "vllm_omp_threads_bind": vl_result.get("omp_threads_bind")},
+                     "max_model_len": max_model_len, "vllm_omp_threads_bind": vl_result.get("omp_threads_bind"),
+                     "flashpage_cpu_bind": fp_binding},
         "requests": len(work.prompts), "output_tokens": sum(work.max_tokens),
         "flashpage": _summary(fp_runs), "vllm": _summary(vl_runs),
         "pair_ratios": ratios, "ratio_median": statistics.median(ratios),
@@ -230,7 +241,8 @@ def format_report(result: dict[str, Any]) -> str:
         f"bench engine --against vllm, workload {result['workload']}: {result['workload_description']}",
         f"model: {result['model']} ({result['parameters'] / 1e6:.1f}M params); vLLM {result['vllm_version']}; "
         f"load avg {result['load_average_1m']}{', quick' if result['quick'] else ''}",
-        f"both: {s['dtype']}, {s['threads']} thread(s) (vLLM bound to cores {s['vllm_omp_threads_bind']}), "
+        f"both: {s['dtype']}, {s['threads']} thread(s) (vLLM bound to cores {s['vllm_omp_threads_bind']}; flashpage: "
+        f"{s['flashpage_cpu_bind']}), "
         f"max_num_seqs {s['max_num_seqs']}, max_num_batched_tokens {s['max_num_batched_tokens']}, prefix caching "
         f"{'on' if s['enable_prefix_caching'] else 'off'}, block size {s['block_size']}, KV pool "
         f"{s['kv_pool_blocks']} blocks ({s['kv_pool_bytes'] / 2**20:.1f} MiB), max_model_len {s['max_model_len']}; "

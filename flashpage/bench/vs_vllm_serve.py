@@ -10,8 +10,9 @@ Both get the same checkpoint (``--model PATH``, default the built-in tiny model,
 tokenizer: the client sends text), the same served model name, and the same engine settings:
 ``max_num_seqs``, ``max_num_batched_tokens``, prefix caching on, float32, block size (128 by
 default, vLLM's CPU rule: a multiple of 32), the same KV pool in bytes (``--kv-cache-memory`` /
-``--kv-cache-memory-bytes``), ``max_model_len``, and ``--threads`` OpenMP threads each (vLLM's bound
-to cores ``0..threads-1`` with ``VLLM_CPU_OMP_THREADS_BIND``, as it does on its own).
+``--kv-cache-memory-bytes``), ``max_model_len``, and ``--threads`` OpenMP threads each, bound to the
+same cores ``0..threads-1`` (vLLM's with ``VLLM_CPU_OMP_THREADS_BIND``, as it does on its own;
+flashpage's with ``--cpu-bind``).
 
 The client is ``flashpage bench serve``'s: streamed ``/v1/completions``, greedy, Poisson arrivals per
 rate. Both servers are started once and wait for ``/health``; then, for every round and every rate,
@@ -32,7 +33,7 @@ from typing import Any
 
 from flashpage.bench import serve as serve_bench
 from flashpage.bench.models import load_average
-from flashpage.bench.vs_vllm import Settings, _vllm_env, check_vllm_python
+from flashpage.bench.vs_vllm import Settings, _vllm_env, check_vllm_python, cpu_bind_spec
 
 SERVED_NAME = "bench-model"
 FLOAT32_BYTES = 4  # both servers run float32
@@ -81,7 +82,7 @@ def flashpage_cmd(model_dir: str, port: int, settings: Settings, kv_bytes: int, 
             "--host", "127.0.0.1", "--log-level", "warning", "--served-model-name", SERVED_NAME,
             "--block-size", str(settings.block_size), "--max-num-seqs", str(settings.max_num_seqs),
             "--max-num-batched-tokens", str(settings.max_num_batched_tokens), "--kv-cache-memory", str(kv_bytes),
-            "--max-model-len", str(max_len), "--dtype", settings.dtype]
+            "--max-model-len", str(max_len), "--dtype", settings.dtype, "--cpu-bind", cpu_bind_spec(settings.threads)]
 
 
 def vllm_cmd(python: str, model_dir: str, port: int, settings: Settings, kv_bytes: int, max_len: int) -> list[str]:

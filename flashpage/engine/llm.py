@@ -147,7 +147,7 @@ class LLM:
                 raise UnsupportedModelError(f"flashpage.LLM cannot run {type(model).__name__} (model_type="
                                             f"{self.model.config.model_type!r}) exactly: {reason}. Use "
                                             "flashpage.patch(model) with model.generate() instead.")
-            if family.path != "interface":
+            if not family.on_pages and not family.set_attention:  # its attention never reaches flashpage's
                 raise UnsupportedModelError(
                     f"flashpage.LLM cannot run {type(model).__name__} (model_type={self.model.config.model_type!r}) "
                     f"exactly: its attention does not run on the pages ({family.note}). Use flashpage.patch(model) "
@@ -205,6 +205,11 @@ class LLM:
             if compile:
                 warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} has recurrent (linear-"
                               "attention / SSM) layers, whose steps run eagerly in [B, L] rows", stacklevel=2)
+            use_compile = False
+        if family.path == "dense-view":  # K/V transformed after the cache (MLA...): attention on what the model hands
+            if compile:  # it, whose width is the step's keys: no static shapes to compile
+                warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} transforms its K/V after the "
+                              "cache (dense view); its steps run eagerly", stacklevel=2)
             use_compile = False
         self._positions = EnginePositions.install(self.model)  # BART family: positions from the cache length
         self._keeps_logits = honours_logits_to_keep(self.model)  # whisper: logits of every row

@@ -387,14 +387,14 @@ def layer_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
 
     ``query_lens`` / ``key_lens`` are the host copies of the lengths, so the reference never
     reads them back from the device."""
-    call = _Call("flash_attn_varlen_func", q.device, q.dtype, block_size, False, s_aux is not None,
-                 opts.softcap > 0, False, q.shape[-1])
+    call = _Call("flash_attn_varlen_func", q.device, q.dtype, block_size, opts.alibi_slopes is not None,
+                 s_aux is not None, opts.softcap > 0, False, q.shape[-1])
     choice, mod = _choose(call)
     if mod is not None:
         return flash_backends.call_varlen(
             choice.name, mod, q=q, k=k_pages, v=v_pages, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=opts.softmax_scale,
-            causal=opts.causal, window_size=opts.window_size, softcap=opts.softcap, alibi_slopes=None,
+            causal=opts.causal, window_size=opts.window_size, softcap=opts.softcap, alibi_slopes=opts.alibi_slopes,
             deterministic=False, return_attn_probs=False, block_table=block_table, query_lens=query_lens,
         )[0]
     spec = validate.VarlenSpec(batch=len(query_lens), total_q=q.shape[0], heads=q.shape[1],
@@ -403,7 +403,7 @@ def layer_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     return reference.flash_attn_varlen_func(
         q, k_pages, v_pages, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=opts.softmax_scale, causal=opts.causal,
-        window_size=opts.window_size, softcap=opts.softcap, alibi_slopes=None, return_attn_probs=False,
+        window_size=opts.window_size, softcap=opts.softcap, alibi_slopes=opts.alibi_slopes, return_attn_probs=False,
         block_table=block_table, s_aux=s_aux, spec=spec, seq_q=query_lens, seq_k=key_lens,
     )
 

@@ -10,13 +10,13 @@ need.
 - :func:`store`: one ``index_copy_`` per tensor into the flattened pages; slot -1 is redirected
   to a write that changes nothing, so no device data is read.
 - :func:`attend_static`: flash-attn's ``flash_attn_with_kvcache`` semantics (paged, bottom-right
-  causal, sliding window, softcap, attention sinks) as dense masked attention over a fixed number
-  of pages per sequence; SDPA where the math allows, explicit softmax otherwise.
+  causal, sliding window, softcap, attention sinks, ALiBi) as dense masked attention over a fixed
+  number of pages per sequence; SDPA where the math allows, explicit softmax otherwise.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ class LayerOptions:
         causal: bottom-right causal mask.
         window_size: (left, right) sliding window, -1 = unbounded.
         softcap: 0 = off, else ``softcap * tanh(score / softcap)``.
+        alibi_slopes: (H,) float32 ALiBi slopes or None: flash-attn's bias
+            ``-slope * |i + Sk - Sq - j|`` is added to the scaled score of query row i and key j
+            (runs on the PyTorch kernels; not part of equality or hashing).
         chunk: chunked attention (Llama 4's local layers), 0 = off: key j is visible to the query at
             position p (= i + Sk - Sq) iff ``j // chunk == p // chunk`` (and causal). flash-attn has no
             such mode: these layers always run on the PyTorch mask path (:func:`attend_static`).
@@ -40,6 +43,7 @@ class LayerOptions:
     causal: bool = True
     window_size: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = field(default=None, compare=False)
     chunk: int = 0
 
 
@@ -115,26 +119,42 @@ def attend_static(qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     ids = block_table.reshape(-1)
     k = k_pages.index_select(0, ids).view(b, width, kv_heads, d).transpose(1, 2)  # (B, Hk, W, D)
     v = v_pages.index_select(0, ids).view(b, width, kv_heads, v_pages.shape[-1]).transpose(1, 2)
-    if all_keys is not None and opts.softcap == 0 and s_aux is None and not opts.chunk:
+    if all_keys is not None and opts.softcap == 0 and s_aux is None and opts.alibi_slopes is None and not opts.chunk:
         scale = d**-0.5 if opts.softmax_scale is None else float(opts.softmax_scale)
         return F.scaled_dot_product_attention(qh, k[:, :, :all_keys], v[:, :, :all_keys], scale=scale,
                                               enable_gqa=heads != kv_heads).to(qh.dtype)
     if visible is None:
         visible = visible_keys(seqlens_k, sq, width, opts.causal and sq > 1, opts.window_size, opts.chunk)
     scale = d**-0.5 if opts.softmax_scale is None else float(opts.softmax_scale)
+    bias = None if opts.alibi_slopes is None else alibi_bias(opts.alibi_slopes, seqlens_k, sq, width)
     if opts.softcap == 0 and s_aux is None:
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=visible, scale=scale,
+        mask = visible if bias is None else bias.to(qh.dtype).masked_fill(~visible, float("-inf"))
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale,
                                              enable_gqa=heads != kv_heads)
     else:
-        out = _explicit_softmax(qh, k, v, visible, scale, opts.softcap, s_aux)
+        out = _explicit_softmax(qh, k, v, visible, scale, opts.softcap, s_aux, bias)
     if empty_rows:
         out = torch.where(visible.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out.to(qh.dtype)
 
 
+def alibi_bias(slopes: torch.Tensor, seqlens_k: torch.Tensor, seqlen_q: int, width: int) -> torch.Tensor:
+    """(B, H, Sq, width) float32 ALiBi bias ``-slope[h] * |i + Sk[b] - Sq - j|`` (flash-attn's; for causal
+    rows it equals BLOOM's ``slope * j`` up to a per-row constant, which softmax cancels).
+    slopes (H,) or (B, H); seqlens_k (B,)."""
+    dev = seqlens_k.device
+    diag = torch.arange(seqlen_q, device=dev).view(1, seqlen_q, 1) + seqlens_k.to(torch.int64).view(-1, 1, 1) \
+        - seqlen_q
+    dist = (diag - torch.arange(width, device=dev).view(1, 1, width)).abs().to(torch.float32)  # (B, Sq, W)
+    s = slopes.to(device=dev, dtype=torch.float32)
+    s = s.view(1, -1, 1, 1) if s.dim() == 1 else s.view(s.shape[0], -1, 1, 1)
+    return -s * dist.unsqueeze(1)
+
+
 def _explicit_softmax(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
-                      softcap: float, s_aux: torch.Tensor | None) -> torch.Tensor:
-    """Attention with what SDPA cannot do: softcap and sink logits. qh (B, H, Sq, D); k, v (B, Hk, W, D)."""
+                      softcap: float, s_aux: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with what SDPA cannot do: softcap and sink logits (plus an additive ALiBi ``bias``
+    (B, H, Sq, W) after the softcap, as flash-attn adds it). qh (B, H, Sq, D); k, v (B, Hk, W, D)."""
     b, heads, sq, d = qh.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -143,6 +163,8 @@ def _explicit_softmax(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibl
     scores = torch.matmul(qg, k.to(acc).transpose(-1, -2)).view(b, heads, sq, -1) * scale
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias.to(acc)
     scores = scores.masked_fill(~visible, float("-inf"))
     if s_aux is not None:
         sink = s_aux.to(acc).view(1, heads, 1, 1).expand(b, heads, sq, 1)

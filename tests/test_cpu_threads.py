@@ -1,0 +1,90 @@
+"""Binding CPU threads to cores (flashpage/cpu_threads.py) and ``flashpage serve --cpu-bind``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from flashpage import cpu_threads as ct
+
+linux_only = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity (Linux)")
+
+
+@pytest.mark.parametrize(("spec", "cores"), [("0", (0,)), ("0-3", (0, 1, 2, 3)), ("0-1,5,7-8", (0, 1, 5, 7, 8))])
+def test_parse_and_format_round_trip(spec: str, cores: tuple[int, ...]) -> None:
+    assert ct.parse_cores(spec) == cores
+    assert ct.format_cores(cores) == spec
+
+
+@pytest.mark.parametrize("spec", ["a", "3-1", "0,0", "-1", "1-"])
+def test_bad_core_lists_name_the_problem(spec: str) -> None:
+    with pytest.raises(ValueError, match="CPU cores"):
+        ct.parse_cores(spec)
+
+
+def test_auto_binds_fewer_threads_than_cores_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ct, "usable_cores", lambda: (2, 3, 5, 7))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert ct.choose_cores("auto")[0] == (2, 3)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    cores, why = ct.choose_cores("auto")
+    assert cores == () and "every one of the 4 usable cores" in why
+    assert ct.choose_cores("none")[0] == ()
+    with pytest.raises(ValueError, match="not usable by this process"):
+        ct.choose_cores("0-2")
+
+
+@linux_only
+def test_binding_restricts_every_thread_and_undo_restores() -> None:
+    core = ct.usable_cores()[-1]
+    before_threads, before_cores = torch.get_num_threads(), os.sched_getaffinity(0)
+    started, release = threading.Event(), threading.Event()
+    seen: dict[str, set[int]] = {}
+
+    def worker() -> None:  # a thread that exists before binding, like an OpenMP pool thread
+        started.set()
+        release.wait(10)
+        seen["worker"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    started.wait(10)
+    with ct.bound_cpu_threads([core]) as binding:
+        assert binding.bound and binding.cores == (core,) and torch.get_num_threads() == 1
+        assert os.sched_getaffinity(0) == {core}
+        release.set()
+        t.join(10)
+        assert seen["worker"] == {core}
+        assert f"cores {core}" in binding.describe()
+    assert torch.get_num_threads() == before_threads
+    assert os.sched_getaffinity(0) == before_cores
+
+
+@linux_only
+def test_serve_refuses_a_bad_core_list_before_loading() -> None:
+    proc = subprocess.run([sys.executable, "-m", "flashpage.cli", "serve", "--cpu-bind", "0-x"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "CPU cores '0-x'" in proc.stderr and "'0-3,6'" in proc.stderr
+
+
+@linux_only
+def test_serve_binding_is_reported(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from flashpage import cli
+
+    undo: list[ct.CpuBinding] = []
+    real = ct.bind_cpu_threads
+    monkeypatch.setattr(ct, "bind_cpu_threads", lambda spec: undo.append(real(spec)) or undo[-1])
+    try:
+        cli._bind_serve_threads(str(ct.usable_cores()[0]), ranks=1)
+    finally:
+        for b in undo:
+            b.undo()
+    assert f"bound to cores {ct.usable_cores()[0]}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        cli._bind_serve_threads("0", ranks=2)

@@ -84,6 +84,7 @@ def collect_info() -> dict[str, Any]:
                                                                    else ["cpu"])},
         "kernels": kernels,
         "cpu_threads": _threads(),
+        "cpu_attention": _cpu_attention(),
         "compiled_decode": _compiled_decode(),
     }
 
@@ -101,6 +102,14 @@ def _threads() -> dict[str, Any]:
         linears = "oneDNN in LLM steps" if onednn_available() else f"torch F.linear ({ENV}=torch or no oneDNN)"
     return {"torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "usable_cores": len(cores), "cores": format_cores(cores), "cpu_linears": linears}
+
+
+def _cpu_attention() -> dict[str, str]:
+    """Which attention float32 / float64 paged CPU calls run: the fused C++ kernel or the reference."""
+    from flashpage.kernels import cpu_attention
+
+    state = cpu_attention.status()
+    return {"backend": state.name, "reason": state.reason, "force_reference": f"{cpu_attention.ENV}=reference"}
 
 
 def _compile_label(device: str, on: bool | str) -> str:
@@ -121,6 +130,8 @@ def format_info(info: dict[str, Any]) -> str:
              "default block size: " + ", ".join(f"{k}={v}" for k, v in info["default_block_size"].items()),
              "CPU threads: {torch_threads} (OMP_NUM_THREADS={omp_num_threads}), {usable_cores} usable cores ({cores}); "
              "float32 linears in LLM: {cpu_linears}".format(**info["cpu_threads"]),
+             "CPU attention (float32/float64 pages): {backend}: {reason} ({force_reference} to force the "
+             "PyTorch reference)".format(**info["cpu_attention"]),
              "LLM compiled decode steps by default: " + ", ".join(
                  f"{k}={_compile_label(k, v)}" for k, v in info["compiled_decode"].items()),
              "kernels:"]

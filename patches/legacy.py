@@ -25,6 +25,7 @@ distribution. Falcon adds the bias before its ``1/sqrt(d)`` scaling: its slopes 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,6 +54,7 @@ class LegacyAttention:
         window: ``module -> sliding window in tokens`` (None: full causal).
         slopes: ``module -> (H,) float32 ALiBi slopes on the CPU`` (None: no ALiBi).
         layer: ``module -> layer index`` its K/V are stored under.
+        refuse: ``text config -> reason or None``: configurations the adapter cannot run exactly.
     """
 
     module_class: str
@@ -62,11 +64,20 @@ class LegacyAttention:
     window: Callable[[Any], int | None] = lambda m: None
     slopes: Callable[[Any], torch.Tensor] | None = None
     layer: Callable[[Any], int] = lambda m: m.layer_idx
+    refuse: Callable[[Any], str | None] = lambda config: None
+
+
+class Refused(Exception):
+    """The adapter cannot run this configuration exactly (``patch`` turns it into UnsupportedModelError)."""
 
 
 def install(model: torch.nn.Module, spec: LegacyAttention) -> list[tuple[Any, str, Any]]:
     """Give every ``spec.module_class`` module of ``model`` the paged forward; returns the
-    ``(object, attribute, previous value or ABSENT)`` entries ``unpatch`` restores."""
+    ``(object, attribute, previous value or ABSENT)`` entries ``unpatch`` restores.
+    Raises :class:`Refused` for a configuration the adapter cannot run exactly."""
+    reason = spec.refuse(model.config.get_text_config(decoder=True))
+    if reason:
+        raise Refused(reason)
     restore = []
     for module in model.modules():
         if type(module).__name__ != spec.module_class:
@@ -88,6 +99,8 @@ def _adapted(module: torch.nn.Module, original: Callable[..., Any], spec: Legacy
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = {**bound.arguments.pop("kwargs", {}), **bound.arguments}
+        if any(arguments.get(k) is not None for k in _CROSS_INPUTS):  # cross-attention: nothing of ours
+            return original(*args, **kwargs)
         logical = cache.has_holes and (spec.slopes is not None or spec.window(module) is not None)
         if arguments.get("output_attentions") or logical:
             with _dense_view(cache):
@@ -96,6 +109,9 @@ def _adapted(module: torch.nn.Module, original: Callable[..., Any], spec: Legacy
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]
     return forward
+
+
+_CROSS_INPUTS = ("encoder_hidden_states", "key_value_states")
 
 
 def _paged_cache(module: torch.nn.Module) -> Any:
@@ -235,10 +251,16 @@ def _mpt(config: Any) -> LegacyAttention:
     def slopes(m: Any) -> torch.Tensor:
         return -build_mpt_alibi_tensor(m.n_heads, 2, bias_max)[:, 0, 0].to(torch.float32)  # slope * (1 - 2)
 
-    if not config.attn_config.alibi:
-        raise NotImplementedError("flashpage's MPT adapter covers ALiBi MPT models (attn_config.alibi=True)")
     return LegacyAttention("MptAttention", _mpt_qkv, out=lambda m, attn, a: (m.out_proj(_merged(attn)), None),
-                           scale=lambda m: m.softmax_scale, slopes=slopes)
+                           scale=lambda m: m.softmax_scale, slopes=slopes if config.attn_config.alibi else None,
+                           refuse=_mpt_refusal)
+
+
+def _mpt_refusal(config: Any) -> str | None:
+    attn = config.attn_config
+    if attn.prefix_lm or attn.attn_uses_sequence_id or attn.qk_ln:
+        return "its attention config uses prefix-LM / sequence-id masking or q/k LayerNorm, which the MPT adapter lacks"
+    return None
 
 
 # ------------------------------------------------------------------------------------- Falcon
@@ -272,17 +294,54 @@ FALCON_ALIBI = LegacyAttention("FalconAttention", _falcon_qkv,
                                scale=lambda m: m.inv_norm_factor, slopes=_falcon_slopes)
 
 
-# --------------------------------------------------------------------------------------- XGLM
-def _xglm_qkv(m: Any, a: dict[str, Any]) -> QKV:
-    if a.get("key_value_states") is not None:
-        raise NotImplementedError("flashpage's XGLM adapter has no cross-attention")
+# ------------------------------------------------------------- BART-like decoders (XGLM, TrOCR, MVP)
+def _bart_qkv(m: Any, a: dict[str, Any]) -> QKV:
     h = a["hidden_states"]
-    q = _heads(m.q_proj(h) * m.scaling, m.num_heads)
+    q = _heads(m.q_proj(h) * m.scaling, m.num_heads)  # these models scale the query themselves
     return q, _heads(m.k_proj(h), m.num_heads), _heads(m.v_proj(h), m.num_heads)
 
 
-XGLM = LegacyAttention("XGLMAttention", _xglm_qkv, out=lambda m, attn, a: (m.out_proj(_merged(attn)), None),
-                       scale=lambda m: 1.0)  # XGLM scales the query itself
+def _bart(module_class: str, refuse: Callable[[Any], str | None] = lambda config: None) -> LegacyAttention:
+    return LegacyAttention(module_class, _bart_qkv, out=lambda m, attn, a: (m.out_proj(_merged(attn)), None),
+                           scale=lambda m: 1.0, refuse=refuse)
+
+
+# ------------------------------------------------ BERT-like decoders (Megatron-BERT, RemBERT, RoFormer, BigBird)
+def _bert_qkv(m: Any, a: dict[str, Any]) -> QKV:
+    h = a["hidden_states"]
+    q, k, v = (x(h).view(*h.shape[:-1], -1, m.attention_head_size).transpose(1, 2) for x in (m.query, m.key, m.value))
+    rotary = a.get("sinusoidal_pos")
+    if rotary is not None:  # RoFormer's rotary embedding (of the values too where it says so)
+        if m.rotary_value:
+            q, k, v = m.apply_rotary_position_embeddings(rotary, q, k, v)
+        else:
+            q, k = m.apply_rotary_position_embeddings(rotary, q, k)
+    return q, k, v
+
+
+def _decoder_only(config: Any) -> str | None:
+    if not getattr(config, "is_decoder", False):
+        return ("its config has is_decoder=False, so the prompt attends bidirectionally (later prompt tokens "
+                "change earlier ones' K/V); set config.is_decoder=True for causal generation")
+    return None
+
+
+def _bert(module_class: str) -> LegacyAttention:
+    return LegacyAttention(module_class, _bert_qkv, out=lambda m, attn, a: (_merged(attn), None),
+                           scale=lambda m: 1.0 / math.sqrt(m.attention_head_size), refuse=_decoder_only)
+
+
+def _bigbird_refusal(config: Any) -> str | None:
+    if config.attention_type != "original_full":
+        return (f"its attention_type is {config.attention_type!r} (block-sparse attention, computed by the model "
+                "itself); set attention_type='original_full'")
+    return _decoder_only(config)
+
+
+def _mvp_refusal(config: Any) -> str | None:
+    if config.use_prompt:
+        return "it uses prompt key/value prefixes (use_prompt=True), which are not in the pages"
+    return None
 
 
 # ---------------------------------------------------------------------------------- registration
@@ -292,7 +351,13 @@ ADAPTERS: dict[str, Callable[[Any], LegacyAttention]] = {
     "bloom": lambda config: BLOOM,
     "mpt": _mpt,
     "falcon": lambda config: FALCON_ALIBI if config.alibi else FALCON,
-    "xglm": lambda config: XGLM,
+    "xglm": lambda config: _bart("XGLMAttention"),
+    "trocr": lambda config: _bart("TrOCRAttention"),
+    "mvp": lambda config: _bart("MvpAttention", _mvp_refusal),
+    "megatron-bert": lambda config: _bert("MegatronBertSelfAttention"),
+    "rembert": lambda config: _bert("RemBertSelfAttention"),
+    "roformer": lambda config: _bert("RoFormerSelfAttention"),
+    "big_bird": lambda config: dataclasses.replace(_bert("BigBirdSelfAttention"), refuse=_bigbird_refusal),
 }
 NOTE = ("bypasses the attention interface; its own q/k/v and output projections around attention on the pages "
         "(patches/legacy.py)")

@@ -31,7 +31,7 @@ from flashpage.patches.deepseek import NOTE as MLA_NOTE
 from flashpage.patches.deepseek import is_mla
 from flashpage.patches.families import FamilySpec, family_for
 from flashpage.patches.hf_cache import HFPagedCache
-from flashpage.patches.legacy import ABSENT
+from flashpage.patches.legacy import ABSENT, Refused
 
 _STATE_ATTR = "_flashpage_patch"
 _CACHE_KWARGS = ("cache", "past_key_values")
@@ -85,6 +85,8 @@ def patch(model: torch.nn.Module, **cache_options: Any) -> torch.nn.Module:
                        previous_attn=getattr(model.config, "_attn_implementation", None), root=model)
     _install(model, state)
     try:
+        if family.install is not None:  # adapters (legacy.py) change the model's attention modules
+            state.restore.extend(_adapter_changes(model, family))
         state.family = _checked_family(model, state)
     except BaseException:
         unpatch(model)
@@ -97,8 +99,6 @@ def _install(model: torch.nn.Module, state: PatchState) -> None:
     family = state.family
     if family.set_attention:
         model.set_attn_implementation(ATTN_NAME)
-    if family.install is not None:
-        state.restore.extend(family.install(model))
     for module in model.modules():
         module._flashpage_state = state
     for module in _hooked_modules(model):
@@ -110,6 +110,13 @@ def _install(model: torch.nn.Module, state: PatchState) -> None:
         state.user_set_attn = vars(model).get("set_attn_implementation")
         model.set_attn_implementation = MethodType(_switch_attention, model)
     setattr(model, _STATE_ATTR, state)
+
+
+def _adapter_changes(model: torch.nn.Module, family: FamilySpec) -> list[tuple[Any, str, Any]]:
+    try:
+        return family.install(model)
+    except Refused as exc:
+        raise UnsupportedModelError(_refusal(model, str(exc))) from None
 
 
 _CHECKED_ATTR = "_flashpage_checked"  # the family the probe settled on, kept across unpatch (checks run once)

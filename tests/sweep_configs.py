@@ -107,6 +107,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "dots3_note_text": {"num_key_value_heads": 4},
     "dots3_note": {"text_config": {"num_key_value_heads": 4}},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    # BERT-like decoders as transformers' testers build them for causal LM (prepare_config_and_inputs_for_decoder):
+    # is_decoder=True; BigBird with a cache runs original_full attention (it switches to it by itself)
+    "megatron-bert": {"is_decoder": True},
+    "rembert": {"is_decoder": True},
+    "roformer": {"is_decoder": True},
+    "big_bird": {"is_decoder": True, "attention_type": "original_full"},
     "dory": {"layer_types": ["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"],
              "num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2, "n_output_layers": 2},
 }

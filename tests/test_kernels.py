@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_oracle import oracle_kvcache, oracle_varlen
 
-from flashpage.kernels import flash_attn_varlen_func, flash_attn_with_kvcache, reference, store_kv
+from flashpage.kernels import cpu_attention, flash_attn_varlen_func, flash_attn_with_kvcache, reference, store_kv
 
 SCALE = float(os.environ.get("FLASHPAGE_HYPOTHESIS_SCALE", "1"))
 EXAMPLES: dict[str, int] = {}
@@ -62,15 +62,25 @@ TILINGS = st.sampled_from([(None, None), (None, None), (16, None), (48, 8), (16,
 
 @contextmanager
 def tiling(chunk: int | None, row_tile: int | None):
+    """Small reference tilings; any tiling also forces the PyTorch reference over the fused C++ CPU
+    kernel (float32 / float64 paged calls take that kernel by default: test_kernels_cpu.py), so both
+    CPU paths meet the oracle here."""
     saved = (reference._MIN_CHUNK, reference._MAX_CHUNK, reference._ROW_TILE)
+    saved_env = os.environ.get(cpu_attention.ENV)
     if chunk is not None:
         reference._MIN_CHUNK = reference._MAX_CHUNK = chunk
     if row_tile is not None:
         reference._ROW_TILE = row_tile
+    if chunk is not None or row_tile is not None:
+        os.environ[cpu_attention.ENV] = "reference"
     try:
         yield
     finally:
         reference._MIN_CHUNK, reference._MAX_CHUNK, reference._ROW_TILE = saved
+        if saved_env is None:
+            os.environ.pop(cpu_attention.ENV, None)
+        else:
+            os.environ[cpu_attention.ENV] = saved_env
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The adapters of patches/legacy.py: models whose attention bypasses transformers' interface
 (GPT-Neo with a local window, GPT-NeoX-Japanese, BLOOM and MPT with ALiBi, Falcon rotary / ALiBi /
-grouped-query, XGLM) run attention on the pages, exactly.
+grouped-query; the BART-like XGLM, TrOCR, MVP; the BERT-like Megatron-BERT, RemBERT, RoFormer with its
+rotary embedding, BigBird) run attention on the pages, exactly.
 
 For each variant (tiny random float32 models from the sweep's configs):
 - patched ``generate()`` on a left-padded batch equals unpatched ``generate()`` (tokens, logits within
@@ -12,6 +13,8 @@ For each variant (tiny random float32 models from the sweep's configs):
   ALiBi / a window, attention weights asked for): same logits and weights as unpatched;
 - training is untouched: the patched model's training forward (no cache, dropout on) gives exactly
   the unpatched loss and gradients, and ``unpatch`` removes every change.
+Configurations an adapter cannot run exactly are refused up front (a BERT-like model that is not a
+decoder attends bidirectionally; BigBird's block-sparse attention; MVP's prompt prefixes).
 The ALiBi option of the layer kernels is checked against the reference flash-attn kernel.
 """
 
@@ -53,6 +56,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                                 "num_kv_heads": 4}),
     "falcon-gqa": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2, "alibi": False}),
     "xglm": ("xglm", {}),
+    "trocr": ("trocr", {}),
+    "mvp": ("mvp", {}),
+    "megatron-bert": ("megatron-bert", {"is_decoder": True}),
+    "rembert": ("rembert", {"is_decoder": True}),
+    "roformer": ("roformer", {"is_decoder": True}),
+    "big_bird": ("big_bird", {"is_decoder": True, "attention_type": "original_full"}),
 }
 # transformers 5.24's MPT generate() hands its model no cache (every step recomputes the whole
 # sequence, patched or not): nothing to page there; flashpage.LLM passes the cache and pages it.
@@ -141,7 +150,8 @@ def test_llm_packed_prefix_cached_preempted_equals_unpatched(models, variant: st
     prompts = random_prompts(3, 3, 9, seed=4, prefix=random_prompts(1, 9, 9, seed=5)[0]) + random_prompts(2, 2, 6)
     llm = LLM(model, block_size=4, num_blocks=14, max_num_batched_tokens=8, max_num_seqs=4,
               enable_prefix_caching=True, check_invariants=True)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1), use_tqdm=False)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.stats()
     assert paged_calls
     assert stats.preemptions > 0 and stats.prefix_cache_hit_rate > 0
@@ -236,3 +246,15 @@ def test_alibi_layer_kernel_matches_reference(causal_rows: tuple[int, int]) -> N
                           LayerOptions(0.3, True)).transpose(1, 2)
     assert torch.allclose(got, want, atol=1e-5)
     assert not torch.allclose(got, plain, atol=1e-3)  # the bias changes the result
+
+
+@pytest.mark.parametrize(("variant", "extra", "reason"), [
+    ("megatron-bert", {"is_decoder": False}, "is_decoder=False"),
+    ("big_bird", {"attention_type": "block_sparse"}, "block-sparse"),
+    ("mvp", {"use_prompt": True}, "prompt key/value prefixes"),
+])
+def test_configurations_the_adapter_cannot_run_are_refused(variant: str, extra: dict[str, Any], reason: str) -> None:
+    model = build(variant, **extra)
+    with pytest.raises(flashpage.UnsupportedModelError, match=reason):
+        flashpage.patch(model)
+    assert not flashpage.is_patched(model) and not any("forward" in vars(m) for m in model.modules())

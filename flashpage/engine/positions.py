@@ -87,7 +87,13 @@ class EnginePositions:
     def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         given = kwargs.get("position_ids")
         pos = self.current
-        if pos is None or not isinstance(given, torch.Tensor) or given.numel() != pos.numel():
+        if pos is None:
+            return None
+        if given is None and "position_ids" not in kwargs and _one_packed_row(args, pos):
+            # called with no positions (TrOCR, MVP, RoFormer): it would count from the cache length; the
+            # packed row's own positions, in the 1-D (T,) form these embeddings take them
+            return args, {**kwargs, "position_ids": pos.reshape(-1)}
+        if not isinstance(given, torch.Tensor) or given.numel() != pos.numel():
             return None
         return args, {**kwargs, "position_ids": pos.to(given.device).reshape(given.shape)}
 
@@ -104,6 +110,14 @@ class EnginePositions:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+
+
+def _one_packed_row(args: tuple, pos: torch.Tensor) -> bool:
+    """Whether the embedding's first argument (ids, embeddings or their shape) is one row of the step's T tokens."""
+    first = args[0] if args else None
+    shape = tuple(first.shape) if isinstance(first, torch.Tensor) else tuple(first) if isinstance(first, torch.Size) \
+        else None
+    return shape is not None and len(shape) >= 2 and shape[0] == 1 and shape[1] == pos.numel()
 
 
 def honours_logits_to_keep(model: torch.nn.Module) -> bool:

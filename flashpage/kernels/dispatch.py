@@ -16,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-from flashpage.kernels import flash_backends, reference, validate
+from flashpage.kernels import cpu_attention, flash_backends, reference, validate
 from flashpage.kernels.paged import LayerOptions
 from flashpage.kernels.store import store_kv as _store_kv
 
@@ -397,6 +397,14 @@ def layer_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
             causal=opts.causal, window_size=opts.window_size, softcap=opts.softcap, alibi_slopes=opts.alibi_slopes,
             deterministic=False, return_attn_probs=False, block_table=block_table, query_lens=query_lens,
         )[0]
+    if (q.device.type == "cpu" and opts.alibi_slopes is None and not torch.compiler.is_compiling()
+            and cpu_attention.eligible(q, k_pages, v_pages)):
+        scale = q.shape[-1] ** -0.5 if opts.softmax_scale is None else float(opts.softmax_scale)
+        out = cpu_attention.paged_attention(q, k_pages, v_pages, block_table, cu_seqlens_k.diff(), cu_seqlens_q,
+                                            scale, float(opts.softcap),
+                                            cpu_attention.window_sides(opts.causal, opts.window_size), s_aux)
+        if out is not None:
+            return out[0]
     spec = validate.VarlenSpec(batch=len(query_lens), total_q=q.shape[0], heads=q.shape[1],
                                kv_heads=k_pages.shape[2], head_dim=q.shape[2], paged=True, page_size=block_size,
                                num_blocks=k_pages.shape[0], capacity=block_table.shape[1] * block_size)

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from flashpage.kernels import cpu_attention
+
 
 @dataclass(frozen=True)
 class LayerOptions:
@@ -114,6 +116,11 @@ def attend_static(qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     only on the inputs' shapes, never on their values.
     """
     b, heads, sq, d = qh.shape
+    if (qh.device.type == "cpu" and opts.alibi_slopes is None and not torch.compiler.is_compiling()
+            and cpu_attention.eligible(qh, k_pages, v_pages)):
+        out = _attend_cpu(qh, k_pages, v_pages, block_table, seqlens_k, opts, s_aux)
+        if out is not None:
+            return out
     kv_heads = k_pages.shape[2]
     width = block_table.shape[1] * k_pages.shape[1]
     ids = block_table.reshape(-1)
@@ -136,6 +143,18 @@ def attend_static(qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     if empty_rows:
         out = torch.where(visible.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out.to(qh.dtype)
+
+
+def _attend_cpu(qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                seqlens_k: torch.Tensor, opts: LayerOptions, s_aux: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`attend_static` on the fused C++ CPU kernel (B, H, Sq, Dv), or None when it is unavailable."""
+    b, heads, sq, d = qh.shape
+    q = qh.transpose(1, 2).reshape(b * sq, heads, d)  # a view for transformers' (B, Sq, H, D)-major queries
+    cu = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int64)
+    scale = d**-0.5 if opts.softmax_scale is None else float(opts.softmax_scale)
+    out = cpu_attention.paged_attention(q, k_pages, v_pages, block_table, seqlens_k, cu, scale, float(opts.softcap),
+                                        cpu_attention.window_sides(opts.causal, opts.window_size), s_aux)
+    return None if out is None else out[0].view(b, sq, heads, -1).transpose(1, 2)
 
 
 def alibi_bias(slopes: torch.Tensor, seqlens_k: torch.Tensor, seqlen_q: int, width: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import torch
 
-from flashpage.kernels import rotary, sdpa_path
+from flashpage.kernels import cpu_attention, rotary, sdpa_path
 from flashpage.kernels.validate import KvcacheSpec, VarlenSpec
 
 _KV_CHUNK_BYTES = 384 << 20  # gathered K+V (and fp32 copies) per chunk: few, large ops
@@ -422,6 +422,14 @@ def flash_attn_with_kvcache(
         seq_k = seq_k - start
         rows = cache_batch_idx.to(torch.int64) if cache_batch_idx is not None else torch.arange(batch, device=dev)
         keys = KeyLayout(k_cache, v_cache, None, 0, rows, start)
+    if block_table is not None and alibi_slopes is None:
+        fast = _cpu_kernel(q.reshape(batch * seqlen_q, heads, d), k_cache, v_cache, block_table, seq_k,
+                           torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, device=dev), mask, s_aux)
+        if fast is not None:
+            out = fast[0].view(batch, seqlen_q, heads, -1)
+            if not return_softmax_lse:
+                return out
+            return out, fast[1].view(batch, seqlen_q, heads).permute(0, 2, 1).contiguous()
     qh = q.reshape(batch, seqlen_q, hk, group, d).permute(2, 0, 1, 3, 4).reshape(hk, batch, seqlen_q * group, d)
     slopes = None
     if alibi_slopes is not None:
@@ -437,6 +445,24 @@ def flash_attn_with_kvcache(
         return out
     lse = lse.view(hk, batch, seqlen_q, group).permute(1, 0, 3, 2).reshape(batch, heads, seqlen_q)
     return out, lse
+
+
+def _cpu_kernel(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                seq_k: torch.Tensor, cu_q: torch.Tensor, mask: MaskSpec,
+                s_aux: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Packed q (T, H, D) on the fused C++ CPU kernel (cpu_attention): out (T, H, Dv) and LSE (T, H),
+    or None where it does not apply (not CPU / float32 / float64, autograd, or the kernel
+    unavailable): the caller goes on."""
+    if not cpu_attention.eligible(q, k_pages, v_pages) or torch.compiler.is_compiling():
+        return None
+    if mask.causal:
+        window = (-1, 0)
+    elif mask.local:
+        window = (mask.left, mask.right)
+    else:
+        window = (-1, -1)
+    return cpu_attention.paged_attention(q, k_pages, v_pages, block_table, seq_k, cu_q, mask.scale, mask.softcap,
+                                         window, s_aux)
 
 
 def _plain_decode_ok(q, keys: KeyLayout, seqlen_q: int, mask: MaskSpec, alibi_slopes, s_aux, batch: int) -> bool:
@@ -542,6 +568,10 @@ def flash_attn_varlen_func(
             torch.zeros(spec.batch, dtype=torch.int64, device=dev),
             cu_seqlens_k[:-1].to(torch.int64),
         )
+    if block_table is not None and alibi_slopes is None:
+        fast = _cpu_kernel(q, k, v, block_table, torch.tensor(seq_k, dtype=torch.int64), cu_q, mask, s_aux)
+        if fast is not None:
+            return (fast[0], fast[1].t().contiguous(), None) if return_attn_probs else fast[0]
     out = torch.zeros_like(q)
     lse_all = torch.full((heads, total_q), float("inf"), dtype=acc, device=dev)
     slopes_all = None

@@ -1,0 +1,242 @@
+"""The fused C++ CPU paged-attention kernel (flashpage/kernels/cpu_attention.py) against the float64 oracle.
+
+Random ragged batches (empty query rows, sequences with no keys, Sq > Sk, block tables padded with
+-1 past the used pages, page sizes 1/16/128), GQA/MQA groups, causal, sliding windows, softcap,
+attention sinks, D != Dv, float32 and float64; both the per-key loop (few rows) and the per-page
+GEMM path (prefill tiles). Then the layer entry points that take it (``attend_static``,
+``layer_varlen``), the reference fallback (forced by the environment variable, or no compiler), and
+what ``flashpage info`` reports. The first test in a fresh environment builds the kernel once.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kernel_oracle import attend_one, effective_mask
+
+from flashpage.kernels import cpu_attention, dispatch, paged
+
+pytestmark = pytest.mark.skipif(cpu_attention.status().name != "cpp",
+                                reason="no C++ compiler / ninja here: the reference runs (tested elsewhere)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@st.composite
+def batches(draw) -> dict:
+    batch = draw(st.integers(1, 5))
+    seq_q = draw(st.lists(st.sampled_from([0, 1, 1, 1, 2, 7, 19, 40]), min_size=batch, max_size=batch))
+    seq_k = draw(st.lists(st.integers(0, 300), min_size=batch, max_size=batch))
+    head_dim = draw(st.sampled_from([16, 64, 80]))
+    return dict(
+        seq_q=seq_q,
+        seq_k=seq_k,
+        page=draw(st.sampled_from([1, 16, 128])),
+        head_dim=head_dim,
+        value_dim=draw(st.sampled_from([head_dim, head_dim, 32])),
+        kv_heads=draw(st.sampled_from([1, 2])),
+        group=draw(st.sampled_from([1, 2, 4, 8])),
+        dtype=draw(st.sampled_from([torch.float32, torch.float64])),
+        causal=draw(st.booleans()),
+        window=draw(st.sampled_from([(-1, -1), (-1, -1), (16, 0), (5, 5), (-1, 3), (0, 0)])),
+        softcap=draw(st.sampled_from([0.0, 0.0, 10.0])),
+        s_aux=draw(st.booleans()),
+        extra_cols=draw(st.integers(0, 2)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _build(c: dict) -> dict:
+    """Pages in random block order, a block table padded with -1, packed queries."""
+    g = torch.Generator().manual_seed(c["seed"])
+    dt, page, hk = c["dtype"], c["page"], c["kv_heads"]
+    used = [-(-n // page) for n in c["seq_k"]]
+    width = max(max(used), 1) + c["extra_cols"]
+    num_blocks = sum(used) + 2
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    table = torch.full((len(used), width), -1, dtype=torch.int32)
+    pos = 0
+    for b, u in enumerate(used):
+        table[b, :u] = torch.tensor(ids[pos:pos + u], dtype=torch.int32)
+        pos += u
+    heads = hk * c["group"]
+    return dict(
+        q=torch.randn(sum(c["seq_q"]), heads, c["head_dim"], generator=g).to(dt),
+        k_pages=torch.randn(num_blocks, page, hk, c["head_dim"], generator=g).to(dt),
+        v_pages=torch.randn(num_blocks, page, hk, c["value_dim"], generator=g).to(dt),
+        table=table,
+        sinks=torch.randn(heads, generator=g) if c["s_aux"] else None,
+    )
+
+
+def _oracle(c: dict, t: dict, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 out (T, H, Dv) and lse (T, H), sequence by sequence."""
+    outs, lses, row = [], [], 0
+    for b, (sq, sk) in enumerate(zip(c["seq_q"], c["seq_k"], strict=True)):
+        r = torch.arange(sk)
+        blk = t["table"][b].long()[r // c["page"]] if sk else r
+        keys = t["k_pages"][blk, r % c["page"]].double()
+        values = t["v_pages"][blk, r % c["page"]].double()
+        rule = effective_mask(c["causal"], c["window"], sq, sk, False)
+        sinks = t["sinks"].double() if t["sinks"] is not None else None
+        o, lse = attend_one(t["q"][row:row + sq].double(), keys, values, scale, c["softcap"], rule, None, sinks, None)
+        outs.append(o)
+        lses.append(lse.T)
+        row += sq
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _tolerance(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    scale = 1.0 + (ref[torch.isfinite(ref)].abs().max().item() if ref.numel() else 0.0)
+    return (2e-5 if dtype == torch.float32 else 1e-10) * scale
+
+
+@settings(deadline=None, max_examples=150, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(c=batches())
+def test_kernel_matches_oracle(c: dict):
+    t = _build(c)
+    scale = c["head_dim"] ** -0.5
+    cu = torch.tensor([0, *c["seq_q"]]).cumsum(0)
+    sk = torch.tensor(c["seq_k"], dtype=torch.int32)
+    window = cpu_attention.window_sides(c["causal"], c["window"])
+    res = cpu_attention.paged_attention(t["q"], t["k_pages"], t["v_pages"], t["table"], sk, cu, scale, c["softcap"],
+                                        window, t["sinks"])
+    assert res is not None
+    out, lse = res
+    ref, ref_lse = _oracle(c, t, scale)
+    assert out.dtype == c["dtype"] and out.shape == ref.shape and not out.isnan().any()
+    if ref.numel():
+        assert (out.double() - ref).abs().max().item() <= _tolerance(ref, c["dtype"])
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows without keys (and no sink): LSE +inf, only they"
+    assert (out[torch.isinf(ref_lse)] == 0).all(), "rows without keys give 0"
+    fin = torch.isfinite(ref_lse)
+    if fin.any():
+        assert ((lse.double()[fin] - ref_lse[fin]).abs() / (1 + ref_lse[fin].abs())).max().item() <= 1e-5
+
+
+def _layer_case(seed: int, sq: int, lengths: list[int], page: int = 16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    b, heads, hk, d = len(lengths), 8, 2, 64
+    width = max(-(-n // page) for n in lengths) + 1
+    nb = b * width + 1
+    table = torch.randperm(nb, generator=g)[: b * width].view(b, width).to(torch.int32)
+    # transformers' layout: (B, Sq, H, D) projections viewed as (B, H, Sq, D)
+    qh = torch.randn(b, sq, heads, d, generator=g).to(dtype).transpose(1, 2)
+    k_pages = torch.randn(nb, page, hk, d, generator=g).to(dtype)
+    v_pages = torch.randn(nb, page, hk, d, generator=g).to(dtype)
+    return qh, k_pages, v_pages, table, torch.tensor(lengths, dtype=torch.int32)
+
+
+def _spy(monkeypatch) -> list[int]:
+    """Counts the calls that ran the C++ kernel (the wrapper returns None when it is off)."""
+    calls: list[int] = []
+    real = cpu_attention.paged_attention
+
+    def counted(*args, **kwargs):
+        res = real(*args, **kwargs)
+        if res is not None:
+            calls.append(1)
+        return res
+
+    monkeypatch.setattr(cpu_attention, "paged_attention", counted)
+    return calls
+
+
+def _forced_reference(monkeypatch, fn):
+    with monkeypatch.context() as m:
+        m.setenv(cpu_attention.ENV, "reference")
+        return fn()
+
+
+@pytest.mark.parametrize("opts", [paged.LayerOptions(), paged.LayerOptions(window_size=(9, -1)),
+                                  paged.LayerOptions(softcap=20.0, softmax_scale=0.1),
+                                  paged.LayerOptions(causal=False)])
+@pytest.mark.parametrize("sq", [1, 5, 37])
+def test_attend_static_takes_the_kernel_and_equals_the_reference(monkeypatch, opts, sq):
+    """The layer path (eager and inside the compiled-step op) runs the kernel, with the reference's results,
+    including left-padded rows that see no key (lengths shorter than the query)."""
+    qh, k_pages, v_pages, table, lengths = _layer_case(sq, sq, [3, 90, 40, sq + 60])
+    sinks = torch.randn(8) if opts.softcap else None
+    calls = _spy(monkeypatch)
+    fast = paged.attend_static(qh, k_pages, v_pages, table, lengths, opts, sinks)
+    assert calls, "float32 CPU attention must take the C++ kernel"
+    ref = _forced_reference(monkeypatch, lambda: paged.attend_static(qh, k_pages, v_pages, table, lengths, opts, sinks))
+    assert len(calls) == 1, f"{cpu_attention.ENV}=reference must keep the kernel off"
+    assert fast.shape == ref.shape == (4, 8, sq, 64)
+    assert (fast - ref).abs().max().item() <= 2e-5 * (1 + ref.abs().max().item())
+    op = paged.attend_compiled(qh, k_pages, v_pages, table, lengths, opts, sinks, True)
+    assert len(calls) == 2 and torch.allclose(op, fast, atol=1e-6, rtol=0)
+
+
+def test_layer_varlen_takes_the_kernel(monkeypatch):
+    """A packed mixed step (prefill chunk over a cached prefix, decodes) through dispatch.layer_varlen."""
+    g = torch.Generator().manual_seed(3)
+    query_lens, key_lens, page = [23, 1, 1, 4], [80, 17, 1, 4], 16
+    width = 6
+    table = torch.randperm(4 * width, generator=g).view(4, width).to(torch.int32)
+    q = torch.randn(sum(query_lens), 8, 64, generator=g)
+    k_pages, v_pages = torch.randn(2, 4 * width, page, 2, 64, generator=g).unbind(0)
+    cu_q = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *key_lens]).cumsum(0).to(torch.int32)
+    opts = paged.LayerOptions(window_size=(30, -1))
+
+    def run():
+        return dispatch.layer_varlen(q, k_pages, v_pages, cu_q, cu_k, max(query_lens), max(key_lens), table, opts,
+                                     None, query_lens, key_lens, page)
+
+    calls = _spy(monkeypatch)
+    fast = run()
+    ref = _forced_reference(monkeypatch, run)
+    assert len(calls) == 1 and fast.shape == ref.shape == q.shape
+    assert (fast - ref).abs().max().item() <= 2e-5 * (1 + ref.abs().max().item())
+
+
+def test_no_compiler_falls_back_with_one_warning(monkeypatch):
+    """Without a compiler the kernel is never built: one warning, then the reference, same results."""
+    qh, k_pages, v_pages, table, lengths = _layer_case(7, 3, [10, 50])
+    expected = paged.attend_static(qh, k_pages, v_pages, table, lengths, paged.LayerOptions())
+    monkeypatch.setattr(cpu_attention, "_module", None)
+    monkeypatch.setattr(cpu_attention, "_failure", None)
+    monkeypatch.setattr(cpu_attention, "_missing_tools", lambda: "no C++ compiler ('c++' / g++ not on PATH)")
+    monkeypatch.setattr(cpu_attention, "_build", lambda: pytest.fail("must not try to build"))
+    with pytest.warns(UserWarning, match="C\\+\\+ CPU attention kernel is unavailable .*no C\\+\\+ compiler"):
+        out = paged.attend_static(qh, k_pages, v_pages, table, lengths, paged.LayerOptions())
+    assert (out - expected).abs().max().item() <= 2e-5 * (1 + expected.abs().max().item())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # only once
+        paged.attend_static(qh, k_pages, v_pages, table, lengths, paged.LayerOptions())
+    state = cpu_attention.status()
+    assert state.name == "reference" and "no C++ compiler" in state.reason
+
+
+def test_half_types_and_autograd_stay_on_the_reference(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "load", lambda: pytest.fail("the kernel must not be asked for"))
+    qh, k_pages, v_pages, table, lengths = _layer_case(1, 2, [5, 9], dtype=torch.bfloat16)
+    assert paged.attend_static(qh, k_pages, v_pages, table, lengths, paged.LayerOptions()).dtype == torch.bfloat16
+    qh, k_pages, v_pages, table, lengths = _layer_case(1, 2, [5, 9])
+    qh = qh.detach().requires_grad_()
+    out = paged.attend_static(qh, k_pages, v_pages, table, lengths, paged.LayerOptions())
+    out.sum().backward()
+    assert qh.grad is not None and qh.grad.abs().sum() > 0
+
+
+def test_info_says_which_cpu_attention_runs(monkeypatch):
+    from flashpage.info import collect_info, format_info
+
+    info = collect_info()
+    assert info["cpu_attention"]["backend"] == "cpp"
+    assert "CPU attention (float32/float64 pages): cpp" in format_info(info)
+    monkeypatch.setenv(cpu_attention.ENV, "reference")
+    info = collect_info()
+    assert info["cpu_attention"]["backend"] == "reference" and cpu_attention.ENV in info["cpu_attention"]["reason"]

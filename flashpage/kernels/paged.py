@@ -116,8 +116,8 @@ def attend_static(qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     only on the inputs' shapes, never on their values.
     """
     b, heads, sq, d = qh.shape
-    if (qh.device.type == "cpu" and opts.alibi_slopes is None and not torch.compiler.is_compiling()
-            and cpu_attention.eligible(qh, k_pages, v_pages)):
+    if (qh.device.type == "cpu" and opts.alibi_slopes is None and not opts.chunk and not torch.compiler.is_compiling()
+            and cpu_attention.eligible(qh, k_pages, v_pages)):  # chunked attention: the mask below
         out = _attend_cpu(qh, k_pages, v_pages, block_table, seqlens_k, opts, s_aux)
         if out is not None:
             return out

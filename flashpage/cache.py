@@ -355,6 +355,7 @@ class PagedKVCache:
         allocated: bool = False,
         layout: InputLayout | None = None,
         table_width: int | None = None,
+        context_lens: Sequence[int] | None = None,
     ) -> StepPlan:
         """Allocate this step's slots (unless ``allocated``) and build the plan every layer reuses.
 
@@ -372,7 +373,8 @@ class PagedKVCache:
                 computed: ``plan.context_lens[i]`` tokens were cached.
             allocated: the slots were already allocated with ``blocks.append`` (a scheduler that
                 allocates while it schedules); ``num_new`` says how many of each sequence's last
-                tokens this step computes.
+                tokens this step computes (or, with ``context_lens``, the ``num_new[i]`` after the first
+                ``context_lens[i]``: a step may compute allocated tokens one at a time).
             layout: how the forward's input maps to sequences (padding), see :class:`InputLayout`;
                 None when the input is the computed tokens packed sequence by sequence.
             table_width: block-table columns at least (static shapes across steps).
@@ -381,7 +383,8 @@ class PagedKVCache:
             context, counts = self._add_new(seq_ids, token_ids)
         elif allocated:
             counts = list(num_new)
-            context = [self.blocks.num_tokens(s) - n for s, n in zip(seq_ids, counts, strict=True)]
+            context = [self.blocks.num_tokens(s) - n for s, n in zip(seq_ids, counts, strict=True)] \
+                if context_lens is None else list(context_lens)
         else:
             counts = list(num_new)
             context = self._allocate(seq_ids, counts, token_ids)

@@ -540,14 +540,6 @@ def check_recurrent_state_in_cache(model: torch.nn.Module, report: ProbeReport) 
     return None
 
 
-def check_has_attention(model: torch.nn.Module, report: ProbeReport) -> str | None:
-    """A model with no attention layer (a pure state-space model) has nothing for the paged engine to hold."""
-    if not report.kv_shapes and report.state_layers:
-        return ("it is a pure state-space model with no attention layer, so there is no K/V for the paged engine to "
-                "hold (patched generate() runs it exactly with a state-only cache)")
-    return None
-
-
 def check_mask_not_edited(model: torch.nn.Module, report: ProbeReport) -> str | None:
     """The engine's packed steps attend without transformers' masks: a model that edits the mask itself
     (a sparse indexer's selection expressed only in the mask, e.g. Qwen4-Exp's) is exact only in generate()."""
@@ -567,8 +559,7 @@ def check_no_sparse_indexer(model: torch.nn.Module, report: ProbeReport) -> str 
     return None
 
 
-ENGINE_CHECKS: list[EngineCheck] = [check_has_attention, check_recurrent_state_in_cache, check_mask_not_edited,
-                                    check_no_sparse_indexer]
+ENGINE_CHECKS: list[EngineCheck] = [check_recurrent_state_in_cache, check_mask_not_edited, check_no_sparse_indexer]
 
 
 def engine_refusal_reason(model: torch.nn.Module, report: ProbeReport | None) -> str | None:

@@ -359,6 +359,21 @@ ADAPTERS: dict[str, Callable[[Any], LegacyAttention]] = {
     "roformer": lambda config: _bert("RoFormerSelfAttention"),
     "big_bird": lambda config: dataclasses.replace(_bert("BigBirdSelfAttention"), refuse=_bigbird_refusal),
 }
+# Types whose attention bypasses the interface in ways no adapter here can make exact: the reason patch() gives.
+REFUSED = {
+    "cpmant": "its attention adds a learned relative-position bias per (query, key) bucket, which flashpage's kernels "
+              "do not implement",
+    "prophetnet": "its n-gram self-attention predicts several future-token streams that attend to the main stream "
+                  "and to each other with relative-position buckets, which the pages cannot hold",
+    "xlm": "its forward takes the whole sequence at every step and cuts it by cache.get_seq_length() (one length for "
+           "a batch), and its default causal=False attends bidirectionally over the prompt",
+    "openai-gpt": "it keeps no K/V cache at all (its forward takes no cache; generate() recomputes the whole sequence "
+                  "at every step), so there is nothing to page",
+    "reformer": "its LSH and local attention hash keys into buckets and chunks and cache those, not per-token K/V",
+    "rwkv": "it has no attention: its recurrent (time-mixing) state is a tuple of its own, not a transformers cache",
+    "xlnet": "its two-stream attention adds relative-position and segment terms and keeps memories (mems), not a "
+             "per-token K/V cache",
+}
 NOTE = ("bypasses the attention interface; its own q/k/v and output projections around attention on the pages "
         "(patches/legacy.py)")
 
@@ -370,11 +385,20 @@ def _installer(model_type: str) -> Callable[[torch.nn.Module], list[tuple[Any, s
     return install_for
 
 
+def _refuser(reason: str) -> Callable[[torch.nn.Module], list[tuple[Any, str, Any]]]:
+    def refuse(model: torch.nn.Module) -> list[tuple[Any, str, Any]]:
+        raise Refused(reason)
+
+    return refuse
+
+
 def _register() -> None:
     from flashpage.patches.families import FamilySpec, register_family
 
     for model_type in ADAPTERS:
         register_family(FamilySpec(model_type, "adapter", False, NOTE, install=_installer(model_type)))
+    for model_type, reason in REFUSED.items():
+        register_family(FamilySpec(model_type, "refused", False, reason, install=_refuser(reason)))
 
 
 _register()

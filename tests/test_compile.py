@@ -78,28 +78,65 @@ def test_transformers_compiled_static_cache_generate_on_patched_model(model: tor
     assert torch.equal(out, reference)
 
 
-def test_llm_compiled_decode_steps(model: torch.nn.Module) -> None:
-    """LLM(compile=True): decode steps run compiled (fullgraph), one graph per bucket, no recompile
-    when warm, tokens equal to eager LLM and to transformers' generate()."""
+def _engine_prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 17, 9, 30, 70)]
+
+
+def _reference(model: torch.nn.Module, prompts: list[list[int]], new: int) -> list[list[int]]:
+    with torch.inference_mode():
+        return [model.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+def test_llm_compiled_steps_of_every_kind(model: torch.nn.Module) -> None:
+    """LLM(compile=True) on CPU: prefill, chunked-prefill + decode (mixed) and decode-only steps all
+    run through ONE compiled graph (fullgraph, T dynamic, attention and store opaque); no recompile
+    when warm; tokens equal to eager LLM and to transformers' generate()."""
     from flashpage import LLM, SamplingParams
 
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 17, 9, 30)]
+    prompts = _engine_prompts()
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    with torch.inference_mode():
-        reference = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    eager = [o.token_ids for o in LLM(model, num_blocks=64, compile=False).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(model, num_blocks=64, compile=True)
+    reference = _reference(model, prompts, NEW_TOKENS)
+    kw = {"num_blocks": 64, "max_num_batched_tokens": 32, "enable_prefix_caching": False}  # the 70-token prompt chunks
+    eager = [o.token_ids for o in LLM(model, compile=False, **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model, compile=True, **kw)
     counters.clear()
     first = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    graphs = counters["stats"]["unique_graphs"]
-    assert llm.stats().compiled_steps >= NEW_TOKENS - 2  # every decode step after the prefill
-    assert graphs == len(llm._compiled.shapes) >= 1
+    stats = llm.stats()
+    assert stats.compiled_steps == stats.steps  # every step ran compiled
+    step = llm._compiled_step
+    assert set(step.kinds) == {"prefill", "mixed", "decode"}, dict(step.kinds)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert len(step.shapes) > 3  # many step sizes, one graph
     second = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert counters["stats"]["unique_graphs"] == graphs, "a warm bucket recompiled"
+    assert counters["stats"]["unique_graphs"] == 1, "the warm compiled step recompiled"
     assert not counters["recompiles"], dict(counters["recompiles"])
     assert first == second == eager == reference
+
+
+def test_llm_compiled_step_follows_weight_updates(model: torch.nn.Module) -> None:
+    """Weights are graph inputs, never frozen: after an in-place update (what an RL trainer's
+    optimizer or load_state_dict does) the compiled step computes with the new weights, without
+    recompiling, and its tokens equal generate() of the updated model."""
+    from flashpage import LLM, SamplingParams
+
+    prompts = _engine_prompts()[:3]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected_before = _reference(model, prompts, 8)
+    torch.manual_seed(5)
+    other = LlamaForCausalLM(model.config).eval()  # the updated weights (unpatched: the oracle)
+    expected_after = _reference(other, prompts, 8)
+    llm = LLM(model, num_blocks=64, compile=True)
+    before = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert before == expected_before
+    model.load_state_dict(other.state_dict())  # copy_ into the same tensors
+    counters.clear()
+    after = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert not counters["recompiles"], dict(counters["recompiles"])
+    assert llm.stats().compiled_steps == llm.stats().steps
+    assert after == expected_after
+    assert after != before  # the update changed the tokens, so the check above could fail
 
 
 def test_layer_ops_pass_opcheck() -> None:
@@ -118,3 +155,31 @@ def test_layer_ops_pass_opcheck() -> None:
     out = paged.attend_op(qh, k_pages, v_pages, table, seqlens, -1.0, True, -1, -1, 0.0, None, True)
     ref = paged.attend_static(qh, k_pages, v_pages, table, seqlens, paged.LayerOptions())
     assert torch.allclose(out, ref, atol=1e-6)
+
+
+def test_packed_step_ops_pass_opcheck() -> None:
+    """flashpage::attend_packed (the packed step's attention, through the current step) and
+    flashpage::onednn_linear: schemas and fake kernels agree with what they compute; padding rows
+    of the packed query come back as zeros, the real ones as the eager step's attention."""
+    from flashpage.engine.linears import onednn_available, onednn_linear_op
+    from flashpage.kernels import packed, paged
+    from flashpage.plan import build_plan
+
+    g = torch.Generator().manual_seed(0)
+    k_pages, v_pages = torch.randn(6, 4, 2, 8, generator=g), torch.randn(6, 4, 2, 8, generator=g)
+    plan = build_plan(["a", "b"], [3, 1], [2, 5], [[3, 1], [5, 2]], block_size=4)  # a prefill chunk and a decode
+    step = plan.to("cpu")
+    q = torch.randn(6, 4, 8, generator=g)  # 4 real tokens, 2 padding rows
+    args = (q, k_pages, v_pages, -1.0, True, -1, -1, 0.0, None, None, 0)
+    with packed.current_step(step):
+        torch.library.opcheck(packed.attend_packed_op, args)
+        out = packed.attend_packed_op(*args)
+    ref = step.attend(q[:4].transpose(0, 1).unsqueeze(0), k_pages, v_pages, paged.LayerOptions())
+    assert torch.equal(out[:4], ref[0])
+    assert not out[4:].any()
+    with pytest.raises(RuntimeError, match="current_step"):
+        packed.attend_packed_op(*args)
+    if onednn_available():
+        x, w, b = torch.randn(1, 5, 16, generator=g), torch.randn(8, 16, generator=g), torch.randn(8, generator=g)
+        torch.library.opcheck(onednn_linear_op, (x, w, b))
+        assert torch.allclose(onednn_linear_op(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-5)

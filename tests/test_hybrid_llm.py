@@ -6,7 +6,7 @@ models. Checked against unpatched greedy generate() per prompt, token for token 
 at a reference tie) with every chosen token's log-probability within 1e-4: a batch with chunked
 prompts for each hybrid family, ``n > 1`` (forked samples copy the parent's state), preemption in a
 tiny pool (recompute from a fresh state), a forward that fails part-way (the step's sequences start
-over), prompt logprobs, the statistics, and the refusal of pure state-space models. The MLA hybrids
+over), prompt logprobs, the statistics, and pure state-space models (state slots, no pages). The MLA hybrids
 (Kimi-Linear, Ling hybrid) take the dense view in their ``[B, L]`` rows: each row's whole latent K/V
 read back right-padded, attention varlen over the real keys (test_dense_view_llm.py has the packed step).
 """
@@ -157,11 +157,35 @@ def test_prompt_logprobs(models: dict[str, torch.nn.Module]) -> None:
 
 
 @pytest.mark.parametrize("model_type", PURE_SSM)
-def test_pure_state_space_models_are_refused_with_the_reason(model_type: str) -> None:
-    model = tiny_hybrid(model_type)
-    with pytest.raises(TypeError, match="pure state-space model.*generate"):
-        LLM(model, num_blocks=16, block_size=4)
-    assert not flashpage.is_patched(model)  # left as it was given
+def test_pure_state_space_models_run_with_state_slots_only(models: dict[str, torch.nn.Module], model_type: str) -> None:
+    """No attention layer: no pages at all (blocks only count tokens), every sequence's state in a slot;
+    chunked prompts, forked samples and preemption in a tiny pool, all exact."""
+    model = _model(models, model_type)
+    prompts = random_prompts(4, 3, 13, seed=9)
+    llm = LLM(model, max_num_batched_tokens=8, num_blocks=8, block_size=4, check_invariants=True)
+    outs = llm.generate(prompts, SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0, logprobs=1), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        _check(model, [prompt] * 2, out.outputs)
+    stats = llm.stats()
+    assert stats.preemptions > 0
+    assert stats.kv_groups == () and stats.kv_bytes_per_token == 0 and stats.kv_bytes == 0
+    assert stats.state_bytes_per_seq > 0 and stats.prefix_caching is False
+    assert stats.blocks_used == 0 and not llm._states.slot_of
+
+
+@pytest.mark.parametrize(("model_type", "continues"), [
+    ("mamba", False), ("falcon_mamba", False), ("jamba", False), ("zamba", False),
+    ("mamba2", True), ("qwen3_next", True), ("bamba", True), ("nemotron_h", True),
+])
+def test_chunks_continue_states_where_the_model_can(models: dict[str, torch.nn.Module], model_type: str,
+                                                     continues: bool) -> None:
+    """Mamba-1 mixers restart their scan from zero on a multi-token input: found by a probe at construction,
+    such a model's continuing prompt chunks run one token at a time (then exact, see the tests above)."""
+    from flashpage.engine.states import continues_chunks
+
+    llm = LLM(_model(models, model_type), num_blocks=16, block_size=4)
+    assert llm._token_by_token is not continues
+    assert continues_chunks(llm._states_after, list(range(3, 11))) is continues
 
 
 def test_plain_models_keep_the_packed_path_and_prefix_caching() -> None:

@@ -14,7 +14,8 @@ For each variant (tiny random float32 models from the sweep's configs):
 - training is untouched: the patched model's training forward (no cache, dropout on) gives exactly
   the unpatched loss and gradients, and ``unpatch`` removes every change.
 Configurations an adapter cannot run exactly are refused up front (a BERT-like model that is not a
-decoder attends bidirectionally; BigBird's block-sparse attention; MVP's prompt prefixes).
+decoder attends bidirectionally; BigBird's block-sparse attention; MVP's prompt prefixes), and so are
+types no adapter can make exact, each with its own reason (CPM-Ant, XLM, OpenAI-GPT, ...).
 The ALiBi option of the layer kernels is checked against the reference flash-attn kernel.
 """
 
@@ -258,3 +259,17 @@ def test_configurations_the_adapter_cannot_run_are_refused(variant: str, extra: 
     with pytest.raises(flashpage.UnsupportedModelError, match=reason):
         flashpage.patch(model)
     assert not flashpage.is_patched(model) and not any("forward" in vars(m) for m in model.modules())
+
+
+@pytest.mark.parametrize(("model_type", "reason"), [
+    ("cpmant", "relative-position bias"),
+    ("xlm", "cache.get_seq_length"),
+    ("openai-gpt", "keeps no K/V cache"),
+])
+def test_types_no_adapter_can_make_exact_say_why(model_type: str, reason: str) -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(sweep_config(model_type), dtype=torch.float32).eval()
+    with pytest.raises(flashpage.UnsupportedModelError, match=reason) as info:
+        flashpage.patch(model)
+    assert f"model_type={model.config.model_type!r}" in str(info.value)
+    assert not flashpage.is_patched(model)

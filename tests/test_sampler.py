@@ -228,3 +228,10 @@ def test_a_uniform_rounded_past_the_total_draws_the_last_positive_entry():
     values = torch.tensor([[0.2, 0.5, 0.0, 0.0], [0.1, 0.0, 0.3, 0.6]])
     got = _last_positive_past_end(torch.tensor([4, 2]), values)  # row 0 past the end, row 1 inside
     assert got.tolist() == [1, 2]
+
+
+def test_a_row_with_no_probability_left_is_refused_not_drawn():
+    with pytest.raises(RuntimeError, match="no token with a positive probability"):
+        draw(torch.tensor([[0.2, 0.8], [0.0, 0.0]]))
+    with pytest.raises(RuntimeError, match="no token with a positive probability"):
+        draw(torch.tensor([[float("nan"), 0.5]]))

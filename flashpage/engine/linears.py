@@ -8,10 +8,11 @@ engine step on CPU (``flashpage bench breakdown``), so ``LLM`` runs them through
 
 How: each eligible ``nn.Linear`` (CPU, float32, 2-D weight, no forward override of its own) gets an
 instance ``forward`` that takes oneDNN only inside :func:`onednn_scope` on the calling thread, and
-``F.linear`` everywhere else (``model.generate()``, training, another thread, torch.compile traces:
-inductor cannot lower the op on non-constant weights), so the model outside the engine computes
-exactly what it did. Results differ from MKL's by float32 rounding (~1e-6 relative), like any two
-GEMM libraries. ``FLASHPAGE_CPU_LINEAR=torch`` turns it off.
+``F.linear`` everywhere else (``model.generate()``, training, another thread, torch.compile traces
+other than the engine's: inductor cannot lower the op on non-constant weights), so the model outside
+the engine computes exactly what it did. A compiled engine step traces them to the opaque
+``flashpage::onednn_linear`` op (:func:`compiled_scope`). Results differ from MKL's by float32
+rounding (~1e-6 relative), like any two GEMM libraries. ``FLASHPAGE_CPU_LINEAR=torch`` turns it off.
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ def _active() -> bool:
 
 
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """(..., in) -> (..., out): oneDNN inside an engine step on this thread, else F.linear."""
-    if not torch.compiler.is_compiling() and _active() and x.dtype == torch.float32:  # traced: F.linear
+    """(..., in) -> (..., out): oneDNN inside an engine step on this thread (traced: inside a compiled
+    engine step, as an opaque op), else F.linear."""
+    if torch.compiler.is_compiling():
+        if _COMPILED_ONEDNN and x.dtype == torch.float32:
+            return onednn_linear_op(x, self.weight, self.bias)
+    elif _active() and x.dtype == torch.float32:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
     return F.linear(x, self.weight, self.bias)
 
@@ -86,3 +91,39 @@ def onednn_scope(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _STATE.depth -= 1
+
+
+# ------------------------------------------------------------------ compiled graphs
+# Inductor lowers F.linear on CPU to MKL's sgemm (the slow library here), and cannot lower
+# mkldnn._linear_pointwise on weights that are graph inputs (only frozen ones, which would go stale
+# when the weights change). A compiled engine step therefore calls oneDNN through this opaque op,
+# which reads the current weights on every call.
+_COMPILED_ONEDNN = False  # a plain global: dynamo guards on its value (thread-locals break the graph)
+
+
+@torch.library.custom_op("flashpage::onednn_linear", mutates_args=())
+def onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) @ weight (out, in)^T + bias (out,) through oneDNN: (..., out)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+@onednn_linear_op.register_fake
+def _onednn_linear_fake(x, weight, bias) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def compiled_onednn() -> bool:
+    """Whether a forward being traced now should call :func:`onednn_linear_op` (see :func:`compiled_scope`)."""
+    return _COMPILED_ONEDNN
+
+
+@contextlib.contextmanager
+def compiled_scope(enabled: bool = True) -> Iterator[None]:
+    """Linears with the oneDNN forward trace to :func:`onednn_linear_op` inside this block (on this thread)."""
+    global _COMPILED_ONEDNN
+    previous = _COMPILED_ONEDNN
+    _COMPILED_ONEDNN = enabled
+    try:
+        yield
+    finally:
+        _COMPILED_ONEDNN = previous

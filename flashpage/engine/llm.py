@@ -22,7 +22,7 @@ import torch
 
 from flashpage.cache import KVGroup, PagedKVCache, default_block_size
 from flashpage.engine import prompt_logprobs
-from flashpage.engine.compiled import CompiledDecode, default_compile
+from flashpage.engine.compiled import CompiledDecode, CompiledStep, default_compile
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
 from flashpage.engine.generation_config import ModelProcessors, config_diff, sampling_defaults, unapplied_fields
 from flashpage.engine.generation_config import check_mode as check_generation_mode
@@ -35,12 +35,18 @@ from flashpage.engine.sampler import Sampler
 from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
 from flashpage.engine.sequence import Group, Seq
 from flashpage.engine.sizing import KVSizing, plan_kv_pool, pool_warning
-from flashpage.engine.states import StateSlots, recurrent_states_of, restart_from_scratch, stateful_forward
+from flashpage.engine.states import (
+    StateSlots,
+    continues_chunks,
+    recurrent_states_of,
+    restart_from_scratch,
+    stateful_forward,
+)
 from flashpage.engine.structured import GrammarEngine, StructuredOutputsParams
 from flashpage.engine.weights import WeightWatcher, forget_kv
 from flashpage.errors import check_positive_ints
 from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
-from flashpage.patches.checks import engine_refusal_reason
+from flashpage.patches.checks import _probe_tokens, engine_refusal_reason
 from flashpage.patches.compat import cache_kwarg, require_supported_transformers
 from flashpage.patches.patching import UnsupportedModelError, patch_state
 
@@ -64,7 +70,7 @@ class EngineStats:
     tokens_computed: int
     generated_tokens: int
     busy_seconds: float
-    compiled_steps: int = 0  # decode steps that ran through the compiled forward (LLM(compile=True))
+    compiled_steps: int = 0  # steps that ran through the compiled forward (LLM(compile=True))
     tp_rank: int = 0  # tensor parallel: this process's rank and the group size (1: no TP)
     tp_size: int = 1
     kv_heads: int = 0  # KV heads in this rank's pool (under TP: its local heads only)
@@ -173,9 +179,11 @@ class LLM:
             if too_small:
                 warnings.warn(too_small, stacklevel=2)
             self.sizing: KVSizing = sizing
-            self.kv = PagedKVCache(sizing.num_layers, sizing.num_kv_heads, sizing.head_dim,
-                                   v_head_dim=sizing.v_head_dim, num_blocks=sizing.num_blocks,
-                                   block_size=sizing.block_size, dtype=sizing.dtype, device=sizing.layer_devices,
+            stores = sizing.num_groups > 0  # a pure state-space model stores no K/V: blocks without pages
+            self.kv = PagedKVCache(sizing.num_layers, sizing.num_kv_heads or None, sizing.head_dim or None,
+                                   v_head_dim=sizing.v_head_dim or None, num_blocks=sizing.num_blocks,
+                                   block_size=sizing.block_size, dtype=sizing.dtype,
+                                   device=sizing.layer_devices if stores else None,
                                    enable_prefix_caching=enable_prefix_caching,
                                    layer_geometry=sizing.layer_geometry, shared_layers=sizing.shared_layers)
         except BaseException:  # leave the model as it was given
@@ -184,6 +192,10 @@ class LLM:
             raise
         self._cache = HFPagedCache.wrap(self.kv, config)
         self._cache_kwarg = cache_kwarg(self.model)
+        # recurrent layers that restart from zero on a multi-token input (Mamba-1 mixers): continuing chunks
+        # of a prompt run one token at a time
+        self._token_by_token = self._states is not None and not continues_chunks(self._states_after, _probe_tokens(
+            config, 8))
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_prefill_with_decodes)
         self.sampler = Sampler(_eos_ids(self.model, tokenizer),
                                sync=self._tp.same_tokens if self._tp is not None else None)
@@ -220,8 +232,12 @@ class LLM:
             use_compile = False
         # CPU float32: linears through oneDNN inside the engine's eager forwards (engine/linears.py)
         self._onednn = self.device.type == "cpu" and install_onednn_linears(self.model) > 0
+        # CPU: every step kind through one compiled packed forward; CUDA: decode steps as CUDA graphs
+        self._compiled_step = CompiledStep(self.model, self._cache, self._cache_kwarg, max_num_batched_tokens,
+                                           self.device, onednn=self._onednn) \
+            if use_compile and self.device.type == "cpu" else None
         self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
-            if use_compile else None
+            if use_compile and self._compiled_step is None else None
         self._weights = WeightWatcher(self.model)  # KV of older weights is dropped, never reused (weights.py)
 
     def _generation_defaults(self, mode: str) -> dict[str, Any]:
@@ -297,7 +313,7 @@ class LLM:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), s.num_blocks, s.in_use,
                            s.free, s.cached, s.block_size, s.hit_rate, self.scheduler.num_preemptions,
                            c["steps"], c["computed"], c["generated"], c["busy"],
-                           self._compiled.steps if self._compiled is not None else 0,
+                           sum(x.steps for x in (self._compiled, self._compiled_step) if x is not None),
                            self._tp.info.rank if self._tp is not None else 0,
                            self._tp.info.size if self._tp is not None else 1,
                            self.sizing.num_kv_heads, self.sizing.total_bytes, tuple(self.kv.groups()),
@@ -570,7 +586,12 @@ class LLM:
         try:
             self._ensure_patched()
             seq_ids = [c.seq.seq_id for c in chunks]
-            if compiled is not None and compiled.eligible([c.num_tokens for c in chunks], [c.emits for c in chunks]):
+            if self._compiled_step is not None and self._compiled_step.eligible(len(ids)):
+                plan = self.kv.plan(seq_ids, [c.num_tokens for c in chunks], allocated=True)
+                with torch.inference_mode():
+                    logits = self._compiled_step.forward(plan, ids, pos, keep)
+            elif compiled is not None and compiled.eligible([c.num_tokens for c in chunks],
+                                                            [c.emits for c in chunks]):
                 with torch.inference_mode():
                     logits = compiled.forward(compiled.plan(self.kv, seq_ids), ids, pos)
             else:
@@ -595,6 +616,15 @@ class LLM:
         """Give decoders that derive positions from the cache's length (BART family) the step's own."""
         return self._positions.step(position_ids) if self._positions is not None else contextlib.nullcontext()
 
+    def _states_after(self, parts: list[list[int]]) -> dict:
+        """The recurrent states after feeding ``parts`` one forward after another to a fresh cache."""
+        cache = HFPagedCache(self.model.config)
+        with torch.inference_mode():
+            for part in parts:
+                self.model(input_ids=torch.tensor([part], device=self.device), use_cache=True,
+                           **{self._cache_kwarg: cache})
+        return cache.read_states()[0]
+
     def _stateful_forward(self, schedule: Schedule, keep: list[int]) -> torch.Tensor:
         """A model with recurrent layers: decodes as [B, 1] rows, other chunks alone (engine/states.py)."""
         assert self._states is not None
@@ -602,7 +632,7 @@ class LLM:
             self._ensure_patched()
             with torch.inference_mode():
                 logits = stateful_forward(self.model, self.kv, self._cache, self._cache_kwarg, self.device,
-                                          self._states, schedule.chunks, keep)
+                                          self._states, schedule.chunks, keep, self._token_by_token)
         except BaseException:
             self._cache.end_forward(ok=False)
             self.scheduler.rollback(schedule)

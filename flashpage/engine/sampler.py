@@ -107,9 +107,10 @@ class Sampler:
     @staticmethod
     def _sample_batched(scores: torch.Tensor, seqs: Sequence[Seq]) -> list[int]:
         """Unseeded rows (K, V) on the global RNG: rows with a top-k of at most ``CANDIDATES_MAX``
-        draw among their top-k candidates (one ``topk`` and one multinomial over (K', k) instead of
-        (K', V): the same distribution); the other rows are filtered together and drawn with one
-        multinomial over the vocabulary."""
+        draw among their top-k candidates (one ``topk`` and one draw over (K', k) instead of
+        (K', V): the same distribution); the other rows draw over the vocabulary (:func:`draw`),
+        top-p / min-p by rejection (:func:`sample_nucleus`) when none of them has a top-k, else
+        filtered together first."""
         params = [s.group.params for s in seqs]
         vocab = scores.shape[1]
         few = [i for i, p in enumerate(params) if 0 < p.top_k < vocab and p.top_k <= CANDIDATES_MAX]
@@ -164,6 +165,9 @@ def draw(probs: torch.Tensor) -> torch.Tensor:
     blocks = probs.view(n, width // DRAW_BLOCK, DRAW_BLOCK)
     mass = blocks.sum(-1).double()  # (N, nb)
     cum = mass.cumsum(-1)
+    if not bool((cum[:, -1] > 0).all()):  # NaN or no mass left (what torch.multinomial refuses too)
+        raise RuntimeError("sampler: a row has no token with a positive probability (its logits are all -inf "
+                           "or NaN after the filters and processors)")
     u = torch.rand((n, 1), dtype=torch.float64, device=probs.device) * cum[:, -1:]
     block = _last_positive_past_end(torch.searchsorted(cum, u, right=True).squeeze(1), mass)
     rows = torch.arange(n, device=probs.device)

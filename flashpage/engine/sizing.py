@@ -60,6 +60,11 @@ class ProbedGeometry:
     shared_layers: dict[int, int]
 
     @property
+    def stores_kv(self) -> bool:
+        """Some layer stores K/V (False for a pure state-space model: no attention layer)."""
+        return any(g is not None for g in self.layer_geometry)
+
+    @property
     def first(self) -> LayerGeometry:
         """The first layer that stores K/V (what a single-geometry pool would use)."""
         stored = [g for g in self.layer_geometry if g is not None]
@@ -87,7 +92,8 @@ def probe_geometry(model: Any) -> ProbedGeometry:
     kv = cache.kv
     devices = [kv.layer_device(i) or device for i in range(kv.num_layers)]
     geometry = tuple(kv.layer_geometry(i) for i in range(kv.num_layers))
-    return ProbedGeometry(geometry, kv.dtype, devices, kv.shared_layers)
+    dtype = kv.dtype if kv.dtype is not None else next(model.parameters()).dtype  # no K/V stored: the model's
+    return ProbedGeometry(geometry, dtype, devices, kv.shared_layers)
 
 
 def refuse_custom_cache(model: Any) -> None:
@@ -137,6 +143,10 @@ def plan_kv_pool(model: Any, device: torch.device, block_size: int, *, num_block
     """
     _check_utilization(gpu_memory_utilization)
     probed = probe_geometry(model)
+    if not probed.stores_kv:  # a pure state-space model: blocks hold no pages, they only count tokens
+        return KVSizing(len(probed.layer_geometry), 0, 0, 0, probed.dtype, probed.layer_devices, block_size,
+                        num_blocks or state_only_blocks(block_size, max_model_len, max_num_seqs), 0,
+                        probed.layer_geometry, probed.shared_layers)
     first = probed.first
     per_token = probed.bytes_per_token()
     block_bytes = per_token * block_size
@@ -154,6 +164,18 @@ def plan_kv_pool(model: Any, device: torch.device, block_size: int, *, num_block
     return KVSizing(len(probed.layer_geometry), first.num_kv_heads, first.head_dim, first.v_head_dim, probed.dtype,
                     probed.layer_devices, block_size, int(num_blocks), per_token, probed.layer_geometry,
                     probed.shared_layers)
+
+
+STATE_ONLY_TOKENS = 1 << 16  # tokens per sequence a pool without pages counts by default (when the model has no limit)
+STATE_ONLY_BLOCKS = 1 << 16  # blocks such a pool has at most by default (host bookkeeping only)
+
+
+def state_only_blocks(block_size: int, max_model_len: int | None, max_num_seqs: int) -> int:
+    """Blocks of a pool that stores no K/V (a pure state-space model): they cost no memory, so enough for
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens (of ``STATE_ONLY_TOKENS`` when unknown), at
+    most ``STATE_ONLY_BLOCKS``."""
+    per_seq = min(max_model_len or STATE_ONLY_TOKENS, STATE_ONLY_TOKENS)
+    return max(1, min(max_num_seqs * -(-per_seq // block_size), STATE_ONLY_BLOCKS))
 
 
 def default_cpu_budget(bytes_per_token: int, block_size: int, max_model_len: int | None, max_num_seqs: int) -> int:

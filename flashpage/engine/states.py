@@ -144,22 +144,36 @@ class _Forward:
 
 
 def recurrent_states_of(model: Any, cache: Any) -> StateSlots | None:
-    """State slots for a model whose cache has recurrent layers (None when it has none).
+    """State slots for a model whose cache has recurrent layers (None when it has none). A pure
+    state-space model (Mamba: no attention layer) gets them too; its pool holds no pages, and its
+    blocks only count tokens."""
+    return StateSlots() if cache.has_states else None
 
-    Raises:
-        TypeError: a pure state-space model (no attention layer at all): nothing for the paged engine
-            to page; ``flashpage.patch(model)`` + ``model.generate()`` runs it exactly.
+
+CONTINUATION_NOISE = 10.0  # a chunk continues a state exactly when it errs at most this many times the noise
+CONTINUATION_FLOOR = 1e-4  # ... or at most this much (relative to the state's largest value)
+
+
+def continues_chunks(run: Callable[[list[list[int]]], dict[StateKey, torch.Tensor]], tokens: Sequence[int]) -> bool:
+    """Whether the model's recurrent layers continue a multi-token input from a previous state.
+
+    Some do not: transformers' Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba, Zamba) use the state only
+    for a one-token input and restart the scan from zero otherwise, which ``generate()`` never meets
+    (one prefill, then single tokens) but a chunked prompt does. ``run(parts)`` feeds the parts one
+    forward after another to a fresh cache and returns the states after the last. The states after
+    ``tokens[:-2]`` then the last two must equal those after the whole input in one forward, within
+    ``CONTINUATION_NOISE`` times the difference the exact path (``tokens[:-1]`` then the last one)
+    already shows, or ``CONTINUATION_FLOOR``.
     """
-    if not cache.has_states:
-        return None
-    if len(cache.state_layers) == cache.num_layers and not any(
-            hasattr(layer, "_parent") for layer in cache.layers):
-        name = getattr(model.config, "model_type", type(model).__name__)
-        raise TypeError(
-            f"flashpage.LLM does not serve {type(model).__name__} (model_type={name!r}): it is a pure state-space "
-            "model with no attention layer, so there is no K/V for the paged engine to hold. "
-            "flashpage.patch(model) + model.generate() runs it exactly (state-only cache), or use it unpatched.")
-    return StateSlots()
+    whole = run([list(tokens)])
+    decoded = run([list(tokens[:-1]), list(tokens[-1:])])
+    chunked = run([list(tokens[:-2]), list(tokens[-2:])])
+
+    def relative(states: dict[StateKey, torch.Tensor]) -> float:
+        return max((float((states[k].float() - t.float()).abs().max() / t.float().abs().max().clamp_min(1e-30))
+                    for k, t in whole.items()), default=0.0)
+
+    return relative(chunked) <= max(CONTINUATION_NOISE * relative(decoded), CONTINUATION_FLOOR)
 
 
 def restart_from_scratch(seqs: Sequence[Any], kv: Any, slots: StateSlots) -> None:
@@ -186,7 +200,7 @@ def split_forwards(chunks: Sequence[Any]) -> list[_Forward]:
 
 
 def stateful_forward(model: Any, kv: Any, cache: Any, cache_kwarg: str, device: torch.device, slots: StateSlots,
-                     chunks: Sequence[Any], keep: Sequence[int]) -> torch.Tensor:
+                     chunks: Sequence[Any], keep: Sequence[int], token_by_token: bool = False) -> torch.Tensor:
     """Run one engine step on a model with recurrent layers (see the module docstring).
 
     Args:
@@ -195,6 +209,8 @@ def stateful_forward(model: Any, kv: Any, cache: Any, cache_kwarg: str, device: 
         chunks: the step's chunks (``seq``, ``start``, ``num_tokens``, ``token_ids``).
         keep: packed row indices whose logits are wanted (as the packed ``[1, T]`` forward numbers
             the step's tokens, chunk after chunk).
+        token_by_token: chunks that continue a sequence run one token at a time (a model whose
+            recurrent layers do not continue a multi-token input from a state, see :func:`continues_chunks`).
 
     Returns:
         (len(keep), V) logits, row ``i`` for packed position ``keep[i]``.
@@ -207,7 +223,8 @@ def stateful_forward(model: Any, kv: Any, cache: Any, cache_kwarg: str, device: 
     for fwd in split_forwards(chunks):
         wanted = _wanted(fwd, keep, ends, chunks)
         positions = sorted({t for _, _, t in wanted})
-        logits = _run(model, kv, cache, cache_kwarg, device, slots, fwd, positions)  # runs even if none are kept
+        run = _run_token_by_token if token_by_token and not fwd.fresh and fwd.chunks[0].num_tokens > 1 else _run
+        logits = run(model, kv, cache, cache_kwarg, device, slots, fwd, positions)  # runs even if none are kept
         for i, b, t in wanted:
             rows[i] = logits[b, positions.index(t)]
     return torch.stack(rows) if rows else torch.empty((0, 0), device=device)
@@ -232,7 +249,8 @@ def _run(model: Any, kv: Any, cache: Any, cache_kwarg: str, device: torch.device
     seq_ids = [c.seq.seq_id for c in fwd.chunks]
     rows, length = len(fwd.chunks), fwd.chunks[0].num_tokens
     cache.load_states(None if fwd.fresh else slots.gather(seq_ids), slots.previous)
-    plan = kv.plan(seq_ids, [c.num_tokens for c in fwd.chunks], allocated=True, layout=InputLayout(rows, length))
+    plan = kv.plan(seq_ids, [c.num_tokens for c in fwd.chunks], allocated=True, layout=InputLayout(rows, length),
+                   context_lens=[c.start for c in fwd.chunks])
     cache.set_plan(plan, device)
     ids = torch.tensor([c.token_ids for c in fwd.chunks], device=device)
     pos = torch.tensor([list(range(c.start, c.start + c.num_tokens)) for c in fwd.chunks], device=device)
@@ -242,3 +260,27 @@ def _run(model: Any, kv: Any, cache: Any, cache_kwarg: str, device: torch.device
     states, previous = cache.read_states()
     slots.scatter(seq_ids, states, previous)
     return logits
+
+
+@dataclass(frozen=True)
+class _Token:
+    """One token of a chunk, as a chunk of its own (``seq``, ``start``, ``num_tokens``, ``token_ids``)."""
+
+    seq: Any
+    start: int
+    token_ids: tuple[int, ...]
+    num_tokens: int = 1
+
+
+def _run_token_by_token(model: Any, kv: Any, cache: Any, cache_kwarg: str, device: torch.device, slots: StateSlots,
+                        fwd: _Forward, positions: list[int]) -> torch.Tensor:
+    """``fwd``'s continuing chunks as ``[rows, 1]`` forwards, one per token, each from the state the one
+    before left (what ``generate()`` does after its prefill). Returns what :func:`_run` returns."""
+    kept: list[torch.Tensor] = []
+    logits = None
+    for j in range(fwd.chunks[0].num_tokens):
+        tokens = tuple(_Token(c.seq, c.start + j, (c.token_ids[j],)) for c in fwd.chunks)
+        logits = _run(model, kv, cache, cache_kwarg, device, slots, _Forward(tokens, fwd.offsets, False), [0])
+        if j in positions:
+            kept.append(logits[:, 0])
+    return torch.stack(kept, dim=1) if kept else logits

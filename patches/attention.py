@@ -104,7 +104,8 @@ def pagedkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # address logical key positions; a padded prefill's chunked layers take transformers' chunked mask
     local = options["window_size"] != (-1, -1) or chunk
     logical = weights or indices is not None or (paged and cache.has_holes and local) or \
-        (paged and chunk and not _step(cache, query).supports_chunks)
+        (paged and chunk and not getattr(_step(cache, query), "supports_chunks", True))  # (a compiled packed step:
+    # the engine's, which does)
     if paged and not logical:
         return _paged(cache, layer, query, options, chunk), None
     if paged:  # read the pages back as dense K/V at their logical positions (zeros at padding)

@@ -126,3 +126,16 @@ def test_llama4_without_the_chunk_differs(llama4: torch.nn.Module, monkeypatch: 
     finally:
         llama4.__dict__.pop("_flashpage_checked", None)
     assert result.outcome == "silent"
+
+
+def test_llama4_llm_compile_runs_chunked_models_eagerly(llama4: torch.nn.Module) -> None:
+    """LLM's compiled step (the CPU default) would specialise Llama 4's mask code on the step length:
+    chunked models run eagerly, exact, and an explicit compile=True says so."""
+    prompts = _prompts(llama4.config.vocab_size)
+    flashpage.unpatch(llama4)
+    refs = [_greedy(llama4, [p]) for p in prompts]
+    with pytest.warns(UserWarning, match="chunked-attention layers; its steps run eagerly"):
+        llm = flashpage.LLM(llama4, block_size=4, num_blocks=64, compile=True)
+    outs = llm.generate(prompts, flashpage.SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    assert [list(o.token_ids) for o in outs] == [r[0][0] for r in refs]
+    assert llm.stats().compiled_steps == 0

@@ -33,7 +33,7 @@ import torch
 from flashpage.patches import attention
 from flashpage.patches.compat import cache_kwarg
 from flashpage.patches.geometry import shared_kv_layers
-from flashpage.patches.hf_cache import HFPagedCache
+from flashpage.patches.hf_cache import HFPagedCache, module_states
 
 # attention-call keyword arguments flashpage honours, or that do not change the result
 HONOURED_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "softcap", "is_causal", "s_aux",
@@ -534,7 +534,7 @@ def check_recurrent_state_in_cache(model: torch.nn.Module, report: ProbeReport) 
     """Recurrent state the engine can keep per sequence is state the model keeps in the cache's state
     layers; a model that keeps it in its own modules would mix the sequences of a batch."""
     unused = [i for i in report.state_layers if i not in report.state_layers_used]
-    if unused:
+    if unused and not module_states(model):  # state in known module attributes is swapped per forward
         return (f"its recurrent layers {unused} keep their state in the model's own modules, not in the cache, so "
                 "the engine cannot keep it per sequence")
     return None

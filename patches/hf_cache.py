@@ -179,6 +179,16 @@ def _make_layer(parent: HFPagedCache, layer_idx: int, layer_type: str, kwargs: d
     return layer_class(**states)
 
 
+# instance attributes in which a module keeps recurrent state between forwards (RecurrentGemma)
+MODULE_STATE_ATTRS = ("conv1d_state", "recurrent_states")
+
+
+def module_states(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """(module, attribute) pairs in which the model keeps recurrent state outside any cache
+    (RecurrentGemma's conv and RG-LRU states: one batch row per sequence, reset by each prompt)."""
+    return [(module, attr) for module in model.modules() for attr in MODULE_STATE_ATTRS if attr in vars(module)]
+
+
 class HFPagedCache(Cache):
     """A transformers Cache over a :class:`~flashpage.PagedKVCache` (flash-attn page layout).
 
@@ -247,6 +257,9 @@ class HFPagedCache(Cache):
         self._offset: torch.Tensor | None = None  # the logical length as a 0-d tensor on the input device
         self._owns_plan = False
         self._pending = 0  # new tokens of the forward in flight (committed by end_forward)
+        # (module, attribute) pairs holding recurrent state outside the cache (module_states); read_states /
+        # load_states carry them too, so the engine keeps them per sequence like the cache's own states
+        self.module_states: list[tuple[torch.nn.Module, str]] = []
         self._step_keys_cache: tuple | None = None  # (plan, rows, {device: (slots, valid)}, slots, valid): step_kv's
 
     @property
@@ -281,7 +294,7 @@ class HFPagedCache(Cache):
     @property
     def has_states(self) -> bool:
         """Some layers keep linear-attention / SSM states (a hybrid or state-space model)."""
-        return bool(self.state_layers)
+        return bool(self.state_layers) or bool(self.module_states)
 
     @property
     def is_initialized(self) -> bool:
@@ -705,8 +718,9 @@ class HFPagedCache(Cache):
     # -------------------------------------------------------------- reporting
     # ------------------------------------------------------- engine state slots
     def read_states(self) -> tuple[dict[tuple[int, str, int], torch.Tensor], dict[tuple[int, int], bool]]:
-        """The state layers' current states ``{(layer, "conv" | "recurrent", index): (B, *shape)}`` and
-        their has-previous-state flags ``{(layer, index): bool}`` (for the engine's state slots)."""
+        """The state layers' current states ``{(layer, "conv" | "recurrent", index): (B, *shape)}`` (and
+        ``{("module", attribute, j): (B, *shape)}`` for ``module_states[j]``) and their has-previous-state
+        flags ``{(layer, index): bool}`` (for the engine's state slots)."""
         states: dict[tuple[int, str, int], torch.Tensor] = {}
         previous: dict[tuple[int, int], bool] = {}
         for i in self.state_layers:
@@ -717,6 +731,10 @@ class HFPagedCache(Cache):
                         states[(i, kind, j)] = tensor
             for j, flag in layer.has_previous_state.items():
                 previous[(i, j)] = bool(flag)
+        for j, (module, attr) in enumerate(self.module_states):
+            tensor = getattr(module, attr)
+            if tensor is not None:
+                states[("module", attr, j)] = tensor
         return states, previous
 
     def load_states(self, states: dict[tuple[int, str, int], torch.Tensor] | None,
@@ -728,9 +746,14 @@ class HFPagedCache(Cache):
             _LinearLayer.__init__(layer, number_of_states=layer.number_of_states)  # forget the last forward's rows
             if isinstance(layer, _PagedLayer):
                 layer.is_initialized = True
+        for module, attr in self.module_states:  # None: the module starts from zeros (as at a prompt)
+            setattr(module, attr, None)
         if not states:
             return
         for (i, kind, j), tensor in states.items():
+            if i == "module":
+                setattr(self.module_states[j][0], kind, tensor)
+                continue
             layer = self.layers[i]
             layer.device, layer.dtype = tensor.device, tensor.dtype
             if kind == "conv":

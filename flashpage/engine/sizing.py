@@ -98,9 +98,9 @@ def probe_geometry(model: Any) -> ProbedGeometry:
 
 def refuse_custom_cache(model: Any) -> None:
     """Refuse models that need their own cache class (transformers never gives them a DynamicCache:
-    xLSTM, RWKV, Reformer, XLNet, the original MiniMax): the engine's paged cache cannot stand in for it;
-    and models whose recurrent state lives in their modules (RecurrentGemma): the engine could not keep
-    it per sequence."""
+    xLSTM, RWKV, Reformer, XLNet, the original MiniMax): the engine's paged cache cannot stand in for it.
+    (Recurrent state a model keeps in its modules, RecurrentGemma's, the engine swaps per forward:
+    ``HFPagedCache.module_states``.)"""
     from flashpage.patches import UnsupportedModelError
 
     supports = getattr(model, "_supports_default_dynamic_cache", None)
@@ -111,24 +111,6 @@ def refuse_custom_cache(model: Any) -> None:
             "cache class, which transformers never replaces by a standard cache and flashpage's paged cache cannot "
             "stand in for. flashpage.patch(model) + model.generate() leaves its cache alone (exact), or use it "
             "unpatched.")
-    holders = module_state_holders(model)
-    if holders:
-        name = getattr(model.config, "model_type", type(model).__name__)
-        raise UnsupportedModelError(
-            f"flashpage.LLM does not serve {type(model).__name__} (model_type={name!r}) yet: its recurrent layers keep "
-            f"their state in the modules themselves ({', '.join(holders[:3])}), one batch row per sequence and reset "
-            "by every prompt, so sequences batched together by the engine would share and overwrite it. "
-            "flashpage.patch(model) + model.generate() runs it exactly.")
-
-
-# instance attributes in which a module keeps recurrent state between forwards (RecurrentGemma)
-_MODULE_STATE_ATTRS = ("conv1d_state", "recurrent_states")
-
-
-def module_state_holders(model: Any) -> list[str]:
-    """Names of modules that keep recurrent state in their own attributes (not in the cache)."""
-    return [f"{name}.{attr}" for name, module in model.named_modules()
-            for attr in _MODULE_STATE_ATTRS if attr in vars(module)]
 
 
 def plan_kv_pool(model: Any, device: torch.device, block_size: int, *, num_blocks: int | None,

@@ -49,6 +49,7 @@ from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatc
 from flashpage.patches.checks import _probe_tokens, engine_refusal_reason
 from flashpage.patches.compat import cache_kwarg, require_supported_transformers
 from flashpage.patches.hf_cache import module_states
+from flashpage.patches.linear_cache import engine_cache_class
 from flashpage.patches.patching import UnsupportedModelError, patch_state
 
 Prompt = str | Sequence[int]
@@ -191,7 +192,7 @@ class LLM:
             if not was_patched:
                 unpatch(self.model)
             raise
-        self._cache = HFPagedCache.wrap(self.kv, config)
+        self._cache = engine_cache_class(self.model).wrap(self.kv, config)
         self._cache.module_states = module_states(self.model)  # RecurrentGemma: swapped per forward
         self._cache_kwarg = cache_kwarg(self.model)
         # recurrent layers that restart from zero on a multi-token input (Mamba-1 mixers): continuing chunks
@@ -625,7 +626,7 @@ class LLM:
 
     def _new_cache(self) -> HFPagedCache:
         """A fresh generate()-style cache for probes (recurrent state in the model's modules included)."""
-        cache = HFPagedCache(self.model.config)
+        cache = engine_cache_class(self.model)(self.model.config)
         cache.module_states = module_states(self.model)
         return cache
 

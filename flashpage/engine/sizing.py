@@ -81,10 +81,10 @@ def probe_geometry(model: Any) -> ProbedGeometry:
     """Run the (patched) model on one token to learn each layer's KV heads and dims, the dtype and
     the layer devices. Layers whose K/V differ (Gemma 4's global vs sliding layers) each report
     their own; layers reading another layer's K/V report None."""
-    from flashpage.patches import HFPagedCache
+    from flashpage.patches.linear_cache import engine_cache_class
 
     refuse_custom_cache(model)
-    cache = HFPagedCache(model.config, num_blocks=1, block_size=1, growable=False)
+    cache = engine_cache_class(model)(model.config, num_blocks=1, block_size=1, growable=False)
     device = next(model.parameters()).device
     kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
@@ -98,13 +98,15 @@ def probe_geometry(model: Any) -> ProbedGeometry:
 
 def refuse_custom_cache(model: Any) -> None:
     """Refuse models that need their own cache class (transformers never gives them a DynamicCache:
-    xLSTM, RWKV, Reformer, XLNet, the original MiniMax): the engine's paged cache cannot stand in for it.
+    xLSTM, RWKV, Reformer, XLNet): the engine's paged cache cannot stand in for it. (MiniMax's, which only adds
+    linear-attention state, it stands in for: ``patches/linear_cache.py``.)
     (Recurrent state a model keeps in its modules, RecurrentGemma's, the engine swaps per forward:
     ``HFPagedCache.module_states``.)"""
     from flashpage.patches import UnsupportedModelError
+    from flashpage.patches.linear_cache import own_linear_cache_class
 
     supports = getattr(model, "_supports_default_dynamic_cache", None)
-    if supports is not None and not supports():
+    if supports is not None and not supports() and own_linear_cache_class(model) is None:  # MiniMax's is stood in for
         name = getattr(model.config, "model_type", type(model).__name__)
         raise UnsupportedModelError(
             f"flashpage.LLM does not serve {type(model).__name__} (model_type={name!r}): it keeps its state in its own "

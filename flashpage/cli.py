@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "engine":
             b.add_argument("--workload", choices=("mixed", "shared-prefix"), default="mixed")
             _add_against(b)
+            b.add_argument("--compile", action="store_true",
+                           help="with --against vllm: flashpage runs LLM(compile=True), compiled in its untimed "
+                                "warm-up (as vLLM compiles at startup); the warm-up time is reported")
         if name in ("generate", "engine", "tp"):
             _add_model(b, BENCH_MODEL)
         if name == "rl":

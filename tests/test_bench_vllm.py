@@ -47,6 +47,11 @@ def test_vllm_python_alone_is_refused(capsys, tmp_path: Path, bench: str):
     assert code == 2 and "add --against vllm" in err
 
 
+def test_compile_alone_is_refused(capsys):
+    code, _, err = _run(capsys, "bench", "engine", "--compile", "--quick")
+    assert code == 2 and "--compile is for --against vllm" in err
+
+
 @pytest.mark.parametrize("bench", BENCHES)
 def test_missing_interpreter_is_named(capsys, tmp_path: Path, bench: str):
     missing = tmp_path / "venv" / "bin" / "python"

@@ -183,17 +183,63 @@ def test_models_with_their_own_cache_class_are_refused_by_llm() -> None:
     assert not is_patched(model)
 
 
-def test_module_held_recurrent_state_is_refused_by_llm() -> None:
-    """RecurrentGemma keeps its recurrent state in its modules (one row per sequence, reset by each
-    prompt): batched it would mix sequences (logprobs off by 1e-2), so LLM refuses it with the reason."""
+def test_module_held_recurrent_state_is_kept_per_sequence() -> None:
+    """RecurrentGemma keeps its recurrent state in its modules (one row per sequence, reset by each prompt):
+    the engine swaps each sequence's rows in and out of them around every forward (its state slots), and
+    runs continuing prompt chunks token by token (its conv restarts on a multi-token input). Chunked
+    prompts, n=2 forks and preemption in a tiny pool: exact."""
     config = AutoConfig.for_model("recurrent_gemma", vocab_size=128, hidden_size=64, intermediate_size=96,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                                   lru_width=64, attention_window_size=8, block_types=["recurrent", "attention"],
                                   pad_token_id=0, eos_token_id=1)
     model = model_from_config("recurrent_gemma", config)
-    with pytest.raises(flashpage.UnsupportedModelError, match=r"model_type='recurrent_gemma'.*keep their state in"):
-        flashpage.LLM(model, num_blocks=8, block_size=4)
-    assert not is_patched(model)
+    refs = [_reference(model, p) for p in PROMPTS]
+    with torch_threads(1):
+        llm = flashpage.LLM(model, num_blocks=8, block_size=4, max_model_len=32, max_num_batched_tokens=8,
+                            check_invariants=True)
+        try:
+            outs = llm.generate(PROMPTS, SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0, logprobs=0),
+                                use_tqdm=False)
+            stats = llm.stats()
+        finally:
+            unpatch(model)
+    assert llm._token_by_token and stats.preemptions > 0 and stats.state_bytes_per_seq > 0
+    for (ref_tokens, ref_logits), out in zip(refs, outs, strict=True):
+        for got in out.outputs:
+            match = compare_greedy(ref_tokens, got.token_ids, ref_logits)
+            assert match.ok, f"{match.explain()}\nref={ref_tokens}\ngot={got.token_ids}"
+            for step, (tok, lp) in enumerate(zip(got.token_ids[: match.position], got.logprobs, strict=False)):
+                want = torch.log_softmax(ref_logits[step].double(), -1)[tok].item()
+                assert abs(lp.logprob - want) < 1e-4, (step, lp.logprob, want)
+
+
+def test_own_linear_state_cache_is_stood_in_for() -> None:
+    """MiniMax's forward takes only its own MiniMaxCache (lightning attention's K^T V state per layer): the
+    engine's cache is both an HFPagedCache and a MiniMaxCache, the linear states live in the state slots.
+    Chunked prompts, n=2 forks and preemption in a tiny pool: exact."""
+    import sweep_models as sm
+
+    model = sm.build_model("minimax")
+    prompts = [[3 + t % 90 for t in p] for p in PROMPTS]
+    refs = [_reference(model, p) for p in prompts]
+    with torch_threads(1):
+        llm = flashpage.LLM(model, num_blocks=8, block_size=4, max_model_len=32, max_num_batched_tokens=8,
+                            check_invariants=True)
+        try:
+            outs = llm.generate(prompts, SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0, logprobs=0),
+                                use_tqdm=False)
+            stats = llm.stats()
+        finally:
+            unpatch(model)
+    assert type(llm._cache).__name__ == "PagedMiniMaxCache" and stats.preemptions > 0
+    assert any(key[0] == "linear" for key in llm._states.pools) and stats.kv_bytes_per_token > 0
+    for (ref_tokens, ref_logits), out in zip(refs, outs, strict=True):
+        for got in out.outputs:
+            match = compare_greedy(ref_tokens, got.token_ids, ref_logits)
+            assert match.ok, f"{match.explain()}\nref={ref_tokens}\ngot={got.token_ids}"
+            for step, (tok, lp) in enumerate(zip(got.token_ids[: match.position], got.logprobs, strict=False)):
+                want = torch.log_softmax(ref_logits[step].double(), -1)[tok].item()
+                assert abs(lp.logprob - want) < 1e-4, (step, lp.logprob, want)
 
 
 def test_forced_eos_applies_with_ignore_eos() -> None:

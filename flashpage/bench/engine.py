@@ -107,15 +107,21 @@ def _warm_prompts(vocab_size: int, seed: int) -> list[list[int]]:
 # ------------------------------------------------------------------------------------------- flashpage
 def run_flashpage(model: Any, work: Workload, num_blocks: int, vocab_size: int, seed: int = 0,
                   max_num_seqs: int = 256, block_size: int = BLOCK_SIZE,
-                  max_num_batched_tokens: int = MAX_BATCHED_TOKENS) -> dict[str, Any]:
+                  max_num_batched_tokens: int = MAX_BATCHED_TOKENS, compile: bool = False) -> dict[str, Any]:
+    """``compile``: ``LLM(compile=True)``, compiled during the warm-up (``warmup_s``), outside the timed run."""
+    from torch._dynamo.utils import counters
+
     from flashpage.engine import LLM, SamplingParams
     from flashpage.patches import unpatch
 
     llm = LLM(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=True)
+              max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=True, compile=compile)
     try:
+        warm_start = time.perf_counter()
         llm.generate(_warm_prompts(vocab_size, seed), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                      use_tqdm=False)
+        warmup_s = time.perf_counter() - warm_start
+        recompiles0 = sum(counters["recompiles"].values())
         bytes_per_block = llm.sizing.bytes_per_token * llm.sizing.block_size
         steps0 = llm.stats().steps
         finished: dict[str, Any] = {}
@@ -154,6 +160,9 @@ def run_flashpage(model: Any, work: Workload, num_blocks: int, vocab_size: int, 
         "prefix_cache_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
         "cached_prompt_tokens": cached,
         "engine_hit_rate_incl_warmup": stats.prefix_cache_hit_rate,
+        "warmup_s": warmup_s,
+        "compiled_steps": stats.compiled_steps,
+        "recompiles_after_warmup": sum(counters["recompiles"].values()) - recompiles0,
     }
 
 

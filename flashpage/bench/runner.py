@@ -44,9 +44,12 @@ def _engine(args: argparse.Namespace) -> dict[str, Any]:
             if getattr(settings, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(settings, name)}: give at least 1")
         return vllm.run(args.vllm_python, workload=args.workload, model_name=args.model, quick=args.quick,
-                        rounds=args.rounds, settings=settings)
+                        rounds=args.rounds, settings=settings, compile=getattr(args, "compile", False))
     if getattr(args, "vllm_python", None):
         raise ValueError("--vllm-python is for --against vllm; add --against vllm (or drop --vllm-python)")
+    if getattr(args, "compile", False):
+        raise ValueError("--compile is for --against vllm (flashpage compiled against vLLM's compiled model); "
+                         "add --against vllm (or drop --compile)")
     from flashpage.bench import engine
 
     return engine.run(workload=getattr(args, "workload", "mixed"), model_name=getattr(args, "model", None),

@@ -162,8 +162,9 @@ def _summary(runs: list[float]) -> dict[str, Any]:
 
 
 def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None = None, quick: bool = False,
-        rounds: int = 3, settings: Settings | None = None, seed: int = 0) -> dict[str, Any]:
-    """Alternate ``rounds`` pairs of runs (flashpage, then vLLM); see the module docstring."""
+        rounds: int = 3, settings: Settings | None = None, seed: int = 0, compile: bool = False) -> dict[str, Any]:
+    """Alternate ``rounds`` pairs of runs (flashpage, then vLLM); see the module docstring. ``compile``:
+    flashpage runs ``LLM(compile=True)``, compiled in its warm-up (reported), as vLLM compiles at startup."""
     settings = settings or Settings()
     if rounds < 1:
         raise ValueError(f"--rounds {rounds}: give at least 1")
@@ -190,6 +191,8 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
         fp_runs: list[float] = []
         vl_runs: list[float] = []
         fp_tokens: list[list[int]] = []
+        fp_warmups: list[float] = []
+        fp_recompiles = 0
         vl_result: dict[str, Any] = {}
         fp_binding = ""
         try:
@@ -198,9 +201,11 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
                 _log(f"round {r + 1}/{rounds}: flashpage.LLM")
                 with bound_cpu_threads(cpu_bind_spec(settings.threads)) as binding:  # vLLM's cores, its runs only
                     fp = run_flashpage(bm.model, work, num_blocks, bm.vocab_size, seed, settings.max_num_seqs,
-                                       settings.block_size, settings.max_num_batched_tokens)
+                                       settings.block_size, settings.max_num_batched_tokens, compile=compile)
                     fp_binding = binding.describe()
                 fp_runs.append(fp["output_tokens"] / fp["seconds"])
+                fp_warmups.append(fp["warmup_s"])
+                fp_recompiles += fp["recompiles_after_warmup"]
                 fp_tokens = fp["tokens"]
                 _log(f"round {r + 1}/{rounds}: vLLM ({fp_runs[-1]:.1f} tok/s for flashpage)")
                 vl_result = run_vllm(vllm_python, spec, workdir)
@@ -219,6 +224,8 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
         "flashpage": _summary(fp_runs), "vllm": _summary(vl_runs),
         "pair_ratios": ratios, "ratio_median": statistics.median(ratios),
         "identical_requests": cmp.identical, "mismatches": cmp.mismatches, "outputs_agree": cmp.all_identical,
+        "flashpage_compile": compile, "flashpage_warmup_s": fp_warmups,
+        "flashpage_recompiles_after_warmup": fp_recompiles,
         "load_average_1m": load_average(),
         "timing_note": "alternating runs in one session; generate() call only, load and warm-up excluded",
     }
@@ -256,6 +263,10 @@ def format_report(result: dict[str, Any]) -> str:
         f"{'on' if s['enable_prefix_caching'] else 'off'}, block size {s['block_size']}, KV pool "
         f"{s['kv_pool_blocks']} blocks ({s['kv_pool_bytes'] / 2**20:.1f} MiB), max_model_len {s['max_model_len']}; "
         "greedy, EOS ignored, all requests at once",
+        f"flashpage.LLM compile={result.get('flashpage_compile', False)}: warm-up (incl. any compile, untimed) "
+        + ", ".join(f"{w:.1f}" for w in result.get("flashpage_warmup_s", [])) + " s per round"
+        + (f"; recompiles after warm-up: {result['flashpage_recompiles_after_warmup']}"
+           if result.get("flashpage_compile") else ""),
         f"output tok/s per round, flashpage / vLLM (ratio): {runs}",
         f"flashpage.LLM  best {fp['best_tok_s']:.1f}, median {fp['median_tok_s']:.1f} tok/s",
         f"vLLM           best {vl['best_tok_s']:.1f}, median {vl['median_tok_s']:.1f} tok/s",

@@ -48,6 +48,8 @@ from flashpage.errors import check_positive_ints
 from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
 from flashpage.patches.checks import _probe_tokens, engine_refusal_reason
 from flashpage.patches.compat import cache_kwarg, require_supported_transformers
+from flashpage.patches.hf_cache import module_states
+from flashpage.patches.linear_cache import engine_cache_class
 from flashpage.patches.patching import UnsupportedModelError, patch_state
 
 Prompt = str | Sequence[int]
@@ -161,7 +163,7 @@ class LLM:
             self.device = next(self.model.parameters()).device
             config = self.model.config.get_text_config(decoder=True)
             self.vocab_size = int(config.vocab_size)
-            self._states: StateSlots | None = recurrent_states_of(self.model, HFPagedCache(self.model.config))
+            self._states: StateSlots | None = recurrent_states_of(self.model, self._new_cache())
             enable_prefix_caching = enable_prefix_caching and self._states is None
             positions = getattr(config, "max_position_embeddings", None)
             _check_max_model_len(max_model_len, positions)
@@ -190,7 +192,8 @@ class LLM:
             if not was_patched:
                 unpatch(self.model)
             raise
-        self._cache = HFPagedCache.wrap(self.kv, config)
+        self._cache = engine_cache_class(self.model).wrap(self.kv, config)
+        self._cache.module_states = module_states(self.model)  # RecurrentGemma: swapped per forward
         self._cache_kwarg = cache_kwarg(self.model)
         # recurrent layers that restart from zero on a multi-token input (Mamba-1 mixers): continuing chunks
         # of a prompt run one token at a time
@@ -222,6 +225,11 @@ class LLM:
             if compile:  # it, whose width is the step's keys: no static shapes to compile
                 warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} transforms its K/V after the "
                               "cache (dense view); its steps run eagerly", stacklevel=2)
+            use_compile = False
+        if state.chunks:  # chunked attention (Llama 4): the model's own code specialises on the step's length
+            if compile:
+                warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} has chunked-attention "
+                              "layers; its steps run eagerly", stacklevel=2)
             use_compile = False
         self._positions = EnginePositions.install(self.model)  # BART family: positions from the cache length
         self._keeps_logits = honours_logits_to_keep(self.model)  # whisper: logits of every row
@@ -616,9 +624,15 @@ class LLM:
         """Give decoders that derive positions from the cache's length (BART family) the step's own."""
         return self._positions.step(position_ids) if self._positions is not None else contextlib.nullcontext()
 
+    def _new_cache(self) -> HFPagedCache:
+        """A fresh generate()-style cache for probes (recurrent state in the model's modules included)."""
+        cache = engine_cache_class(self.model)(self.model.config)
+        cache.module_states = module_states(self.model)
+        return cache
+
     def _states_after(self, parts: list[list[int]]) -> dict:
         """The recurrent states after feeding ``parts`` one forward after another to a fresh cache."""
-        cache = HFPagedCache(self.model.config)
+        cache = self._new_cache()
         with torch.inference_mode():
             for part in parts:
                 self.model(input_ids=torch.tensor([part], device=self.device), use_cache=True,

@@ -81,10 +81,10 @@ def probe_geometry(model: Any) -> ProbedGeometry:
     """Run the (patched) model on one token to learn each layer's KV heads and dims, the dtype and
     the layer devices. Layers whose K/V differ (Gemma 4's global vs sliding layers) each report
     their own; layers reading another layer's K/V report None."""
-    from flashpage.patches import HFPagedCache
+    from flashpage.patches.linear_cache import engine_cache_class
 
     refuse_custom_cache(model)
-    cache = HFPagedCache(model.config, num_blocks=1, block_size=1, growable=False)
+    cache = engine_cache_class(model)(model.config, num_blocks=1, block_size=1, growable=False)
     device = next(model.parameters()).device
     kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
@@ -98,37 +98,21 @@ def probe_geometry(model: Any) -> ProbedGeometry:
 
 def refuse_custom_cache(model: Any) -> None:
     """Refuse models that need their own cache class (transformers never gives them a DynamicCache:
-    xLSTM, RWKV, Reformer, XLNet, the original MiniMax): the engine's paged cache cannot stand in for it;
-    and models whose recurrent state lives in their modules (RecurrentGemma): the engine could not keep
-    it per sequence."""
+    xLSTM, RWKV, Reformer, XLNet): the engine's paged cache cannot stand in for it. (MiniMax's, which only adds
+    linear-attention state, it stands in for: ``patches/linear_cache.py``.)
+    (Recurrent state a model keeps in its modules, RecurrentGemma's, the engine swaps per forward:
+    ``HFPagedCache.module_states``.)"""
     from flashpage.patches import UnsupportedModelError
+    from flashpage.patches.linear_cache import own_linear_cache_class
 
     supports = getattr(model, "_supports_default_dynamic_cache", None)
-    if supports is not None and not supports():
+    if supports is not None and not supports() and own_linear_cache_class(model) is None:  # MiniMax's is stood in for
         name = getattr(model.config, "model_type", type(model).__name__)
         raise UnsupportedModelError(
             f"flashpage.LLM does not serve {type(model).__name__} (model_type={name!r}): it keeps its state in its own "
             "cache class, which transformers never replaces by a standard cache and flashpage's paged cache cannot "
             "stand in for. flashpage.patch(model) + model.generate() leaves its cache alone (exact), or use it "
             "unpatched.")
-    holders = module_state_holders(model)
-    if holders:
-        name = getattr(model.config, "model_type", type(model).__name__)
-        raise UnsupportedModelError(
-            f"flashpage.LLM does not serve {type(model).__name__} (model_type={name!r}) yet: its recurrent layers keep "
-            f"their state in the modules themselves ({', '.join(holders[:3])}), one batch row per sequence and reset "
-            "by every prompt, so sequences batched together by the engine would share and overwrite it. "
-            "flashpage.patch(model) + model.generate() runs it exactly.")
-
-
-# instance attributes in which a module keeps recurrent state between forwards (RecurrentGemma)
-_MODULE_STATE_ATTRS = ("conv1d_state", "recurrent_states")
-
-
-def module_state_holders(model: Any) -> list[str]:
-    """Names of modules that keep recurrent state in their own attributes (not in the cache)."""
-    return [f"{name}.{attr}" for name, module in model.named_modules()
-            for attr in _MODULE_STATE_ATTRS if attr in vars(module)]
 
 
 def plan_kv_pool(model: Any, device: torch.device, block_size: int, *, num_blocks: int | None,

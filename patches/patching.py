@@ -55,6 +55,7 @@ class PatchState:
     user_set_attn: Any = None  # an instance-level set_attn_implementation we replaced
     report: checks.ProbeReport | None = None  # what the probe forward saw (checks.py)
     restore: list[tuple[Any, str, Any]] = field(default_factory=list)  # (object, attribute, value) for unpatch
+    chunks: dict[int, int] = field(default_factory=dict)  # {layer: chunk size} of chunked-attention layers
 
 
 class UnsupportedModelError(TypeError):
@@ -128,6 +129,7 @@ def _checked_family(model: torch.nn.Module, state: PatchState) -> FamilySpec:
     cached = vars(model).get(_CHECKED_ATTR)
     if cached is not None:
         state.report = cached[1]
+        state.chunks = checks.chunked_layers(cached[1])
         _make_causal(state, cached[1].causal_by_mask)
         return cached[0]
     family = state.family
@@ -137,11 +139,16 @@ def _checked_family(model: torch.nn.Module, state: PatchState) -> FamilySpec:
         _make_causal(state, fixed)
         report = checks.probe(model, state)
         report.causal_by_mask = fixed
-    transformed = checks.kv_transformed(report) if family.path == "interface" and report.error is None else []
-    if transformed:
+    interface = family.path == "interface" and report.error is None
+    transformed = checks.kv_transformed(report) if interface else []
+    edited = checks.mask_edited(report) if interface else []
+    if transformed or edited:
         mla = any(is_mla(m) for m in model.modules() if getattr(m, "layer_idx", None) in transformed)
         note = MLA_NOTE if mla else (f"K/V transformed after cache.update (layers {transformed}): attention on "
                                      "what the model hands it, read back densely from the pages")
+        if not transformed:
+            note = (f"attention mask edited by the model (layers {edited}): attention under that mask, on K/V "
+                    "read back densely from the pages")
         family = FamilySpec(family.model_type, "dense-view", family.set_attention, note)
         state.family = family
         report = checks.probe(model, state)
@@ -149,6 +156,7 @@ def _checked_family(model: torch.nn.Module, state: PatchState) -> FamilySpec:
     if reason is not None:
         raise UnsupportedModelError(_refusal(model, reason))
     state.report = report
+    state.chunks = checks.chunked_layers(report)
     model.__dict__[_CHECKED_ATTR] = (family, report)
     return family
 

@@ -170,7 +170,7 @@ def test_packed_step_ops_pass_opcheck() -> None:
     plan = build_plan(["a", "b"], [3, 1], [2, 5], [[3, 1], [5, 2]], block_size=4)  # a prefill chunk and a decode
     step = plan.to("cpu")
     q = torch.randn(6, 4, 8, generator=g)  # 4 real tokens, 2 padding rows
-    args = (q, k_pages, v_pages, -1.0, True, -1, -1, 0.0, None, None)
+    args = (q, k_pages, v_pages, -1.0, True, -1, -1, 0.0, None, None, 0)
     with packed.current_step(step):
         torch.library.opcheck(packed.attend_packed_op, args)
         out = packed.attend_packed_op(*args)

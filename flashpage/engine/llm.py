@@ -226,6 +226,11 @@ class LLM:
                 warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} transforms its K/V after the "
                               "cache (dense view); its steps run eagerly", stacklevel=2)
             use_compile = False
+        if state.chunks:  # chunked attention (Llama 4): the model's own code specialises on the step's length
+            if compile:
+                warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} has chunked-attention "
+                              "layers; its steps run eagerly", stacklevel=2)
+            use_compile = False
         self._positions = EnginePositions.install(self.model)  # BART family: positions from the cache length
         self._keeps_logits = honours_logits_to_keep(self.model)  # whisper: logits of every row
         if self._positions is not None or not self._keeps_logits:

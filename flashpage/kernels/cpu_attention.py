@@ -43,6 +43,7 @@ _SOURCE = r"""
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -72,12 +73,106 @@ struct Work {  // per-thread scratch, reused across tasks
   std::vector<T> q, acc, m, l, s;
 };
 
+// Fixed-width lane loops: GCC vectorizes them without -ffast-math (no reassociation needed).
 template <typename T>
-inline T dot(const T* a, const T* b, int64_t n) {
-  T acc = 0;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
+inline T dot(const T* __restrict a, const T* __restrict b, int64_t n) {
+  constexpr int kLanes = 64 / sizeof(T);  // two AVX2 registers (one AVX-512) of partial sums
+  T acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int k = 0; k < kLanes; ++k) acc[k] += a[i + k] * b[i + k];
+  T s = 0;
+  for (int k = 0; k < kLanes; ++k) s += acc[k];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+template <typename T>
+inline void axpy(T* __restrict o, const T* __restrict v, T p, int64_t n) {
+  for (int64_t x = 0; x < n; ++x) o[x] += p * v[x];
+}
+
+template <typename T>
+inline void scale_row(T* __restrict o, T alpha, int64_t n) {
+  for (int64_t x = 0; x < n; ++x) o[x] *= alpha;
+}
+
+// s[j] = exp(s[j] - m) for s[j] <= m; returns the sum. float: Cephes' expf polynomial (about 1 ulp),
+// written so that GCC vectorizes it; double: std::exp.
+inline float exp_nonpositive(float x) {
+  x = x < -87.3f ? -87.3f : x;  // exp(-87.3) ~ 1e-38: below, 0 for every purpose here
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+inline float exp_shifted(float* __restrict s, int64_t n, float m) {
+  for (int64_t j = 0; j < n; ++j) s[j] = exp_nonpositive(s[j] - m);
+  constexpr int kLanes = 16;
+  float acc[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) acc[k] += s[j + k];
+  float sum = 0;
+  for (int k = 0; k < kLanes; ++k) sum += acc[k];
+  for (; j < n; ++j) sum += s[j];
+  return sum;
+}
+
+inline double exp_shifted(double* s, int64_t n, double m) {
+  double sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - m);
+    sum += s[j];
+  }
+  return sum;
+}
+
+// o (R x dv, row stride dv) += p (R x n, row stride n) . V (n rows at stride vs): the R rows'
+// accumulators stay in registers over the keys, one block of dv at a time (GCC vector types).
+template <typename T, int R>
+void pv_fixed(T* o, const T* p, const T* v, int64_t vs, int64_t n, int64_t dv) {
+  constexpr int W = 64 / sizeof(T);
+  typedef T V __attribute__((vector_size(64)));
+  int64_t x = 0;
+  for (; x + W <= dv; x += W) {
+    V acc[R];
+    for (int r = 0; r < R; ++r) std::memcpy(&acc[r], o + r * dv + x, sizeof(V));
+    for (int64_t j = 0; j < n; ++j) {
+      V vv;
+      std::memcpy(&vv, v + j * vs + x, sizeof(V));
+      for (int r = 0; r < R; ++r) acc[r] += p[r * n + j] * vv;
+    }
+    for (int r = 0; r < R; ++r) std::memcpy(o + r * dv + x, &acc[r], sizeof(V));
+  }
+  for (; x < dv; ++x)
+    for (int r = 0; r < R; ++r) {
+      T acc = o[r * dv + x];
+      for (int64_t j = 0; j < n; ++j) acc += p[r * n + j] * v[j * vs + x];
+      o[r * dv + x] = acc;
+    }
+}
+
+template <typename T>
+void pv_rows(T* o, const T* p, const T* v, int64_t vs, int64_t rows, int64_t n, int64_t dv) {
+  switch (rows) {
+    case 8: return pv_fixed<T, 8>(o, p, v, vs, n, dv);
+    case 4: return pv_fixed<T, 4>(o, p, v, vs, n, dv);
+    case 2: return pv_fixed<T, 2>(o, p, v, vs, n, dv);
+    case 1: return pv_fixed<T, 1>(o, p, v, vs, n, dv);
+    default:
+      for (int64_t r = 0; r < rows; ++r) pv_fixed<T, 1>(o + r * dv, p + r * n, v, vs, n, dv);
+  }
 }
 
 // The tile's queries times the softmax factor, and the running max / sum initialised (sinks: the
@@ -128,18 +223,10 @@ inline void softmax_update(Work<T>& w, int64_t r, int64_t dv, T* s, int64_t n) {
   if (cmax > w.m[r]) {
     const T alpha = std::exp(w.m[r] - cmax);  // exp(-inf) = 0 on a row's first keys
     w.l[r] *= alpha;
-    T* o = w.acc.data() + r * dv;
-#pragma omp simd
-    for (int64_t x = 0; x < dv; ++x) o[x] *= alpha;
+    scale_row(w.acc.data() + r * dv, alpha, dv);
     w.m[r] = cmax;
   }
-  const T m = w.m[r];
-  T lsum = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    s[j] = std::exp(s[j] - m);
-    lsum += s[j];
-  }
-  w.l[r] += lsum;
+  w.l[r] += exp_shifted(s, n, w.m[r]);
 }
 
 // The keys row i of sequence b sees, within [j0, j1): row i sees [i + shift - left, i + shift + right].
@@ -162,7 +249,7 @@ void attend_tile(const Args<T>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1
   const int64_t rows = (i1 - i0) * group;
   const bool gemm = rows >= kGemmRows;
   start_tile(a, b, hk, i0, i1, w);
-  w.s.resize((gemm ? rows : 1) * a.page);
+  w.s.resize((gemm ? rows : group) * a.page);
   int64_t lo = 0, hi = sk;  // keys the whole tile can see
   if (a.left >= 0) lo = std::max<int64_t>(0, i0 + shift - a.left);
   if (a.right >= 0) hi = std::min<int64_t>(sk, i1 - 1 + shift + a.right + 1);
@@ -206,22 +293,19 @@ void attend_tile(const Args<T>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1
       int64_t s0, s1;
       row_span(a, i, shift, j0, j1, s0, s1);
       if (s0 >= s1) continue;
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t r = (i - i0) * group + g;
-        const T* qr = w.q.data() + r * d;
-        T* srow = w.s.data();
-        for (int64_t j = s0; j < s1; ++j) {
-          T s = dot(qr, k0 + (j - j0) * a.k_p, d);
-          srow[j - s0] = a.softcap > 0 ? a.softcap * std::tanh(s) : s;
+      // the group's rows together: each key / value row is loaded once for all of them
+      const int64_t n_i = s1 - s0, r0 = (i - i0) * group;
+      const T* kj0 = k0 + (s0 - j0) * a.k_p;
+      for (int64_t j = 0; j < n_i; ++j)
+        for (int64_t g = 0; g < group; ++g) {
+          const T s = dot(w.q.data() + (r0 + g) * d, kj0 + j * a.k_p, d);
+          w.s[g * n_i + j] = a.softcap > 0 ? a.softcap * std::tanh(s) : s;
         }
-        softmax_update(w, r, dv, srow, s1 - s0);
-        T* o = w.acc.data() + r * dv;
-        for (int64_t j = s0; j < s1; ++j) {
-          const T pj = srow[j - s0];
-          const T* vr = v0 + (j - j0) * a.v_p;
-#pragma omp simd
-          for (int64_t x = 0; x < dv; ++x) o[x] += pj * vr[x];
-        }
+      for (int64_t g = 0; g < group; ++g) softmax_update(w, r0 + g, dv, w.s.data() + g * n_i, n_i);
+      for (int64_t g = 0; g < group; g += 8) {
+        const int64_t rows_g = std::min<int64_t>(8, group - g);
+        pv_rows(w.acc.data() + (r0 + g) * dv, w.s.data() + g * n_i, v0 + (s0 - j0) * a.v_p, a.v_p, rows_g, n_i,
+                dv);
       }
     }
   }

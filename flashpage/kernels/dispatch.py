@@ -400,9 +400,9 @@ def layer_varlen(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     if (q.device.type == "cpu" and opts.alibi_slopes is None and not torch.compiler.is_compiling()
             and cpu_attention.eligible(q, k_pages, v_pages)):
         scale = q.shape[-1] ** -0.5 if opts.softmax_scale is None else float(opts.softmax_scale)
-        out = cpu_attention.paged_attention(q, k_pages, v_pages, block_table, cu_seqlens_k.diff(), cu_seqlens_q,
-                                            scale, float(opts.softcap),
-                                            cpu_attention.window_sides(opts.causal, opts.window_size), s_aux)
+        mask = reference.normalize_mask(opts.causal, opts.window_size, max_seqlen_q, max_seqlen_k, False, scale,
+                                        float(opts.softcap))  # flash-attn's: a window >= max_seqlen_k is unbounded
+        out = reference.cpu_kernel(q, k_pages, v_pages, block_table, cu_seqlens_k.diff(), cu_seqlens_q, mask, s_aux)
         if out is not None:
             return out[0]
     spec = validate.VarlenSpec(batch=len(query_lens), total_q=q.shape[0], heads=q.shape[1],

@@ -423,7 +423,7 @@ def flash_attn_with_kvcache(
         rows = cache_batch_idx.to(torch.int64) if cache_batch_idx is not None else torch.arange(batch, device=dev)
         keys = KeyLayout(k_cache, v_cache, None, 0, rows, start)
     if block_table is not None and alibi_slopes is None:
-        fast = _cpu_kernel(q.reshape(batch * seqlen_q, heads, d), k_cache, v_cache, block_table, seq_k,
+        fast = cpu_kernel(q.reshape(batch * seqlen_q, heads, d), k_cache, v_cache, block_table, seq_k,
                            torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, device=dev), mask, s_aux)
         if fast is not None:
             out = fast[0].view(batch, seqlen_q, heads, -1)
@@ -447,7 +447,7 @@ def flash_attn_with_kvcache(
     return out, lse
 
 
-def _cpu_kernel(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+def cpu_kernel(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                 seq_k: torch.Tensor, cu_q: torch.Tensor, mask: MaskSpec,
                 s_aux: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Packed q (T, H, D) on the fused C++ CPU kernel (cpu_attention): out (T, H, Dv) and LSE (T, H),
@@ -569,7 +569,7 @@ def flash_attn_varlen_func(
             cu_seqlens_k[:-1].to(torch.int64),
         )
     if block_table is not None and alibi_slopes is None:
-        fast = _cpu_kernel(q, k, v, block_table, torch.tensor(seq_k, dtype=torch.int64), cu_q, mask, s_aux)
+        fast = cpu_kernel(q, k, v, block_table, torch.tensor(seq_k, dtype=torch.int64), cu_q, mask, s_aux)
         if fast is not None:
             return (fast[0], fast[1].t().contiguous(), None) if return_attn_probs else fast[0]
     out = torch.zeros_like(q)

@@ -44,6 +44,7 @@ HARMLESS_KWARGS = frozenset({
     # varlen metadata only flash-attention implementations read (None outside packed training)
     "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens_q", "cu_seqlens_k",
     "max_seqlen_q", "max_seqlen_k", "target_dtype", "query_length",
+    "logits_to_keep",  # which rows the LM head keeps (GOT-OCR2 hands its forward kwargs down to the layers)
 })
 # cache methods a model may call that flashpage's cache does not have, and what they mean
 CACHE_METHOD_MEANING = {

@@ -186,11 +186,11 @@ class CompiledStep:
         position_ids = torch.tensor([pos + [0] * (tp - t)], device=self.device)
         rows = torch.tensor(keep + [0] * (2 - len(keep)) if len(keep) < 2 else keep, dtype=torch.long,
                             device=self.device)
-        torch._dynamo.mark_dynamic(rows, 0, min=2, max=1 << 20)
+        torch._dynamo.maybe_mark_dynamic(rows, 0)
         if self.dynamic:
             for x in (input_ids, position_ids):
-                torch._dynamo.mark_dynamic(x, 1, min=2, max=1 << 20)
-            torch._dynamo.mark_dynamic(slots, 0, min=2, max=1 << 20)
+                torch._dynamo.maybe_mark_dynamic(x, 1)
+            torch._dynamo.maybe_mark_dynamic(slots, 0)
         self.cache.set_plan(plan, self.device)
         self.cache.step = PackedStep(plan, slots)
         self.shapes.add(tp)

@@ -44,6 +44,7 @@ HARMLESS_KWARGS = frozenset({
     # varlen metadata only flash-attention implementations read (None outside packed training)
     "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens_q", "cu_seqlens_k",
     "max_seqlen_q", "max_seqlen_k", "target_dtype", "query_length",
+    "logits_to_keep",  # which rows the LM head keeps (GOT-OCR2 hands its forward kwargs down to the layers)
 })
 # cache methods a model may call that flashpage's cache does not have, and what they mean
 CACHE_METHOD_MEANING = {
@@ -551,11 +552,14 @@ def check_mask_not_edited(model: torch.nn.Module, report: ProbeReport) -> str | 
 
 
 def check_no_sparse_indexer(model: torch.nn.Module, report: ProbeReport) -> str | None:
-    """A sparse-attention indexer (DeepSeek-V3.2 DSA) scores its keys under transformers' mask and hands the
-    attention top-k positions in the padded [B, L] layout: the engine's packed steps have neither."""
+    """A sparse-attention indexer (DeepSeek-V3.2 DSA) picks its keys with ``topk`` over one row of scores per
+    query; which of several tied scores (ReLU zeros are common) it keeps depends on the row's length and
+    layout, so only the [B, L] layout of generate() reproduces it. In a packed engine step a request's keys sit
+    among other requests' (masked) ones: the same scores, another tie-break (measured: deepseek_v32 and
+    glm_moe_dsa exact one request per step, a different token at step 4 when two share a step)."""
     if report.indexer_layers:
-        return (f"its sparse-attention indexer (layers {sorted(report.indexer_layers)}) selects keys under "
-                "transformers' padded mask, which the engine's packed steps do not have")
+        return (f"its sparse-attention indexer (layers {sorted(report.indexer_layers)}) picks keys by top-k, whose "
+                "choice among tied scores depends on the padded [B, L] layout that the engine's packed steps lack")
     return None
 
 

@@ -82,7 +82,8 @@ def patch(model: torch.nn.Module, **cache_options: Any) -> torch.nn.Module:
     family = _family_of(model)
     register()
     state = PatchState(family=family, cache_options=dict(cache_options),
-                       previous_attn=getattr(model.config, "_attn_implementation", None), root=model)
+                       previous_attn=getattr(model.config.get_text_config(decoder=True), "_attn_implementation", None),
+                       root=model)
     _install(model, state)
     try:
         if family.install is not None:  # adapters (legacy.py) change the model's attention modules
@@ -256,13 +257,23 @@ def _family_of(model: torch.nn.Module) -> FamilySpec:
             f"{config.model_type!r}) is encoder-decoder. Use it unpatched.")
     text_config = config.get_text_config(decoder=True)
     family = family_for(text_config.model_type)
-    if family.set_attention and not model._can_set_attn_implementation():
+    if family.set_attention and not model._can_set_attn_implementation() and not _text_model_can_set(model):
         inner = f" (text model {text_config.model_type!r})" if text_config.model_type != config.model_type else ""
         raise UnsupportedModelError(
             f"flashpage cannot patch {name} (model_type={config.model_type!r}{inner}): its attention does not go "
             "through transformers' AttentionInterface and flashpage has no adapter for it. Use it unpatched, "
             "or add an adapter module in flashpage/patches (see patches/legacy.py).")
     return family
+
+
+def _text_model_can_set(model: torch.nn.Module) -> bool:
+    """Whether the text (decoder) model inside a composite one can select an attention implementation while
+    another part cannot (GOT-OCR2's vision encoder): flashpage's attention is then selected for the text model
+    only, and the probe checks that every layer holding K/V goes through it."""
+    text = model.config.get_text_config(decoder=True)
+    return text is not model.config and any(
+        getattr(m, "config", None) is text and callable(getattr(m, "_can_set_attn_implementation", None))
+        and m._can_set_attn_implementation() for m in model.modules())
 
 
 def _hooked_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -290,8 +301,14 @@ def _attention_switched(model: torch.nn.Module, state: PatchState) -> str | None
     """The implementation someone selected instead of flashpage's, or None while flashpage's is selected."""
     if not state.family.set_attention:
         return None
-    name = getattr(model.config, "_attn_implementation", None)
+    name = getattr(model.config.get_text_config(decoder=True), "_attn_implementation", None)
     return None if name == ATTN_NAME else str(name)
+
+
+def attention_switched(model: torch.nn.Module) -> bool:
+    """Whether a patched model's attention selection moved away from flashpage's since ``patch``."""
+    state = patch_state(model)
+    return state is not None and _attention_switched(model, state) is not None
 
 
 def _switch_attention(self, attn_implementation: Any = None, *args: Any, **kwargs: Any) -> Any:

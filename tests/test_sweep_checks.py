@@ -66,7 +66,7 @@ def test_causal_mask_on_non_causal_module() -> None:
     ("moshi", r"sliding window of 5 tokens that its attention call does not pass"),
     ("git", r"test forward through flashpage's cache failed"),
     ("dory", r"looped / recurrent-depth layers"),
-    ("got_ocr2", r"AttentionInterface"),
+    ("rwkv", r"no attention: its recurrent \(time-mixing\) state"),
 ])
 def test_refusals_name_type_and_reason(model_type: str, reason: str) -> None:
     model = sm.build_model(model_type)

@@ -552,11 +552,14 @@ def check_mask_not_edited(model: torch.nn.Module, report: ProbeReport) -> str | 
 
 
 def check_no_sparse_indexer(model: torch.nn.Module, report: ProbeReport) -> str | None:
-    """A sparse-attention indexer (DeepSeek-V3.2 DSA) scores its keys under transformers' mask and hands the
-    attention top-k positions in the padded [B, L] layout: the engine's packed steps have neither."""
+    """A sparse-attention indexer (DeepSeek-V3.2 DSA) picks its keys with ``topk`` over one row of scores per
+    query; which of several tied scores (ReLU zeros are common) it keeps depends on the row's length and
+    layout, so only the [B, L] layout of generate() reproduces it. In a packed engine step a request's keys sit
+    among other requests' (masked) ones: the same scores, another tie-break (measured: deepseek_v32 and
+    glm_moe_dsa exact one request per step, a different token at step 4 when two share a step)."""
     if report.indexer_layers:
-        return (f"its sparse-attention indexer (layers {sorted(report.indexer_layers)}) selects keys under "
-                "transformers' padded mask, which the engine's packed steps do not have")
+        return (f"its sparse-attention indexer (layers {sorted(report.indexer_layers)}) picks keys by top-k, whose "
+                "choice among tied scores depends on the padded [B, L] layout that the engine's packed steps lack")
     return None
 
 

@@ -152,6 +152,7 @@ class PagedKVCache:
         self.dtype = dtype
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self._layers: list[_LayerPages | None] = [None] * num_layers
+        self._extra: dict[tuple[str, int], torch.Tensor] = {}  # (group, layer) -> (NB, P, *shape) side pages
         self._layer_devices = self._resolve_devices(device)
         if self._layer_devices is not None:
             if not self._geometry_known:
@@ -286,8 +287,9 @@ class PagedKVCache:
 
     def allocated_bytes(self) -> int:
         """Bytes of page memory allocated so far (all layers, K and V)."""
-        return sum(p.k.numel() * p.k.element_size() + p.v.numel() * p.v.element_size()
-                   for p in self._layers if p is not None)
+        kv = sum(p.k.numel() * p.k.element_size() + p.v.numel() * p.v.element_size()
+                 for p in self._layers if p is not None)
+        return kv + sum(t.numel() * t.element_size() for t in self._extra.values())
 
     def grow(self, num_blocks: int) -> None:
         """Enlarge the pool to ``num_blocks`` blocks, keeping every page's content and block id."""
@@ -300,6 +302,8 @@ class PagedKVCache:
             k_pad = pages.k.new_zeros((extra, *pages.k.shape[1:]))
             v_pad = pages.v.new_zeros((extra, *pages.v.shape[1:]))
             self._layers[i] = _LayerPages(torch.cat([pages.k, k_pad]), torch.cat([pages.v, v_pad]))
+        for key, pages in self._extra.items():
+            self._extra[key] = torch.cat([pages, pages.new_zeros((extra, *pages.shape[1:]))])
         self.blocks.grow(num_blocks)
 
     # --------------------------------------------------------------- sequences
@@ -429,6 +433,9 @@ class PagedKVCache:
             s, d = src.to(pages.k.device), dst.to(pages.k.device)
             pages.k.index_copy_(0, d, pages.k.index_select(0, s))
             pages.v.index_copy_(0, d, pages.v.index_select(0, s))
+        for pages in self._extra.values():
+            s, d = src.to(pages.device), dst.to(pages.device)
+            pages.index_copy_(0, d, pages.index_select(0, s))
 
     # ------------------------------------------------------------------- writes
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan | DeviceStep) -> None:
@@ -479,6 +486,68 @@ class PagedKVCache:
         valid = torch.arange(lmax, device=k.device)[None, :] < torch.tensor(lengths, device=k.device)[:, None]
         return k * valid[..., None, None], v * valid[..., None, None], lengths
 
+
+    # ------------------------------------------------------------ extra page groups
+    def write_extra(self, group: str, layer: int, x: torch.Tensor, plan: StepPlan | DeviceStep) -> None:
+        """Store per-token side data of a layer (e.g. a sparse-attention indexer's keys) in its own pages.
+
+        The side pages of ``(group, layer)`` have shape (num_blocks, block_size, *x.shape[1:]), are
+        allocated on ``x``'s device at the first write, and are addressed by the same block tables as the
+        K/V: they grow, fork (copy-on-write) and are freed with the sequences, and prefix-cached blocks
+        carry them (a block's side data is a function of its tokens, as its K/V is).
+
+        Args:
+            x: (N, *shape) one row per input position of the plan's layout; rows not written are skipped.
+        """
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"PagedKVCache: layer {layer} does not exist, the cache has {self.num_layers} layers")
+        key = (group, layer)
+        pages = self._extra.get(key)
+        if pages is None:
+            pages = torch.zeros((self.num_blocks, self.block_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+            self._extra[key] = pages
+        if tuple(x.shape[1:]) != tuple(pages.shape[2:]):
+            raise ValueError(f"PagedKVCache: {group} pages of layer {layer} hold rows of shape "
+                             f"{tuple(pages.shape[2:])}, got {tuple(x.shape[1:])}; use one cache per model")
+        step = plan.to(pages.device) if isinstance(plan, StepPlan) else plan
+        slots = step.input_slots
+        if x.shape[0] != slots.shape[0]:
+            raise ValueError(f"PagedKVCache.write_extra: got {x.shape[0]} rows but the plan's input has "
+                             f"{slots.shape[0]} positions")
+        flat = pages.view(-1, *pages.shape[2:])
+        if step.all_written:
+            flat.index_copy_(0, slots, x.to(pages.dtype))
+        else:
+            keep = slots >= 0
+            flat.index_copy_(0, slots[keep], x[keep].to(pages.dtype))
+
+    def has_extra(self, group: str, layer: int) -> bool:
+        """Whether ``layer`` has side pages of ``group`` (something was written with :meth:`write_extra`)."""
+        return (group, layer) in self._extra
+
+    def gather_extra(self, group: str, layer: int, seq_ids: Sequence[Hashable]) -> tuple[torch.Tensor, list[int]]:
+        """Read sequences' side data back as a padded dense tensor: ``(x, lengths)`` with x
+        (B, Lmax, *shape), rows past a sequence's length zero-filled."""
+        pages = self._extra.get((group, layer))
+        if pages is None:
+            raise RuntimeError(f"PagedKVCache: layer {layer} has no {group} pages yet (nothing was written to them)")
+        return _gather_pages(pages, [self.blocks.block_table(s) for s in seq_ids],
+                             [self.blocks.num_tokens(s) for s in seq_ids], self.block_size)
+
+
+def _gather_pages(pages: torch.Tensor, tables: list[list[int]], lengths: list[int],
+                  block_size: int) -> tuple[torch.Tensor, list[int]]:
+    """(B, Lmax, *shape) rows of ``pages`` (NB, P, *shape) along each block table, zeros past each length."""
+    lmax = max(lengths, default=0)
+    nblk = -(-lmax // block_size)
+    table = torch.zeros((len(tables), max(nblk, 1)), dtype=torch.long)
+    for i, ids in enumerate(tables):
+        ids = ids[:nblk]
+        table[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    table = table[:, :nblk].to(pages.device)
+    x = pages[table].reshape(len(tables), nblk * block_size, *pages.shape[2:])[:, :lmax]
+    valid = torch.arange(lmax, device=x.device)[None, :] < torch.tensor(lengths, device=x.device)[:, None]
+    return x * valid.view(*valid.shape, *([1] * (x.dim() - 2))).to(x.dtype), lengths
 
 def _check_shared(shared: Mapping[int, int] | None, num_layers: int) -> dict[int, int]:
     """Validate ``{reader: owner}``: both existing layers, an owner that stores its own K/V."""

@@ -150,6 +150,12 @@ class DeviceStep:
         else:
             paged.store(k_pages, v_pages, k, v, self.input_slots, self.all_written)
 
+    @property
+    def supports_chunks(self) -> bool:
+        """Whether :meth:`attend` can run chunked attention (``opts.chunk``) on this step: a kvcache-mode
+        step or packed runs of equal query length (not a padded varlen layout)."""
+        return self.plan.mode == "kvcache" or self.plan.segments is not None
+
     def attend(self, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
                s_aux: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of a layer's queries over the pages.
@@ -171,17 +177,18 @@ class DeviceStep:
 
     def _kvcache(self, qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
                  s_aux: torch.Tensor | None) -> torch.Tensor:
-        alibi = opts.alibi_slopes is not None  # ALiBi: the PyTorch kernels (static shapes, traceable)
-        if torch.compiler.is_compiling() and not alibi:  # an opaque op over the whole table: static shapes
+        # ALiBi and chunked attention: the PyTorch kernels (static shapes, traceable; flash-attn has no chunks)
+        own = opts.alibi_slopes is not None or opts.chunk > 0
+        if torch.compiler.is_compiling() and not own:  # an opaque op over the whole table: static shapes
             return paged.attend_compiled(qh, k_pages, v_pages, self.block_table, self.seqlens_k, opts, s_aux,
                                          self.empty_rows)
         table = self.block_table if torch.compiler.is_compiling() else self.block_table[:, : self.read_blocks]
-        kernel = None if alibi else dispatch.layer_kernel(qh.device, qh.dtype, self.plan.block_size, s_aux is not None,
-                                                          opts.softcap > 0, qh.shape[-1])
+        kernel = None if own else dispatch.layer_kernel(qh.device, qh.dtype, self.plan.block_size, s_aux is not None,
+                                                        opts.softcap > 0, qh.shape[-1])
         if kernel is not None:
             return kernel.kvcache(qh.transpose(1, 2), k_pages, v_pages, table, self.seqlens_k, opts).transpose(1, 2)
         sq = qh.shape[2]
-        if sq == 1 and opts.window_size[0] < 0 and self.equal_keys and not alibi:
+        if sq == 1 and opts.window_size[0] < 0 and self.equal_keys and not own:
             return paged.attend_static(qh, k_pages, v_pages, table, self.seqlens_k, opts, s_aux,
                                        all_keys=self.plan.max_seqlen_k)  # equal lengths: no mask needed
         mask = self._mask(None, self.seqlens_k, sq, table.shape[1] * k_pages.shape[1], opts)
@@ -192,10 +199,11 @@ class DeviceStep:
         """The visible-key mask of the whole step (``run`` None) or of one run of sequences, for
         these options: built once per step, shared by the layers."""
         causal = opts.causal and seqlen_q > 1
-        key = (run, causal, opts.window_size)
+        key = (run, causal, opts.window_size, opts.chunk)
         mask = self._masks.get(key)
         if mask is None:
-            mask = self._masks[key] = paged.visible_keys(seqlens_k, seqlen_q, width, causal, opts.window_size)
+            mask = self._masks[key] = paged.visible_keys(seqlens_k, seqlen_q, width, causal, opts.window_size,
+                                                         opts.chunk)
         return mask
 
     def _segments(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
@@ -216,7 +224,10 @@ class DeviceStep:
     def _varlen(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
                 s_aux: torch.Tensor | None) -> torch.Tensor:
         plan = self.plan
-        if plan.segments is not None and (opts.alibi_slopes is not None or dispatch.layer_kernel(
+        if opts.chunk and plan.segments is None:
+            raise NotImplementedError("chunked attention runs on the PyTorch mask path, which needs the step's "
+                                      "sequences as runs of equal query length (DeviceStep.supports_chunks)")
+        if plan.segments is not None and (opts.alibi_slopes is not None or opts.chunk or dispatch.layer_kernel(
                 q.device, q.dtype, plan.block_size, s_aux is not None, opts.softcap > 0, q.shape[-1]) is None):
             return self._segments(q, k_pages, v_pages, opts, s_aux)
         flat = q if self.token_index is None else q.index_select(0, self.token_index)
@@ -233,7 +244,8 @@ class DeviceStep:
         if self.pad_rows is not None:  # right padding: a masked query sees every real key before it
             pq = q.index_select(0, self.pad_rows).unsqueeze(2)  # (R, H, 1, D)
             table = self.block_table.index_select(0, self.pad_seqs)
-            single = LayerOptions(opts.softmax_scale, False, opts.window_size, opts.softcap, opts.alibi_slopes)
+            single = LayerOptions(opts.softmax_scale, False, opts.window_size, opts.softcap, opts.alibi_slopes,
+                                  opts.chunk)
             pad_out = paged.attend_static(pq, k_pages, v_pages, table, self.pad_visible, single, s_aux)
             full.index_copy_(0, self.pad_rows, pad_out.squeeze(2))
         return full

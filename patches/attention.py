@@ -73,9 +73,12 @@ def pagedkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     Returns:
         ``(out, weights or None)`` with out (B, Lq, H, Dv) contiguous.
     """
-    cache = getattr(getattr(module, "_flashpage_state", None), "active_cache", None)
+    state = getattr(module, "_flashpage_state", None)
+    cache = getattr(state, "active_cache", None)
     own = unpatched_attention(module) if cache is None and not kwargs.get("output_attentions") else None
     if own is not None:  # no paged cache in this forward (training, use_cache=False): the unpatched attention
+        if kwargs.get("indices") is not None:  # merged into the mask as the model does for eager / sdpa
+            attention_mask = _merge_indices(attention_mask, kwargs.pop("indices"), query)
         given = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap),
                                    ("is_causal", is_causal), ("s_aux", s_aux)) if v is not None}
         return run_unpatched(*own, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -87,30 +90,76 @@ def pagedkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if layer is not None and layer < 0 and cache is not None:  # one module shared by several layers (Zamba2's
         layer = cache.last_written  # attention block, layer_idx=-1): the layer whose K/V update() just wrote
     weights = bool(kwargs.get("output_attentions", False))
-    if cache is not None and cache.dense_view and cache.plan is not None and not cache.owns_plan and not weights:
+    indices = kwargs.get("indices")  # a sparse-attention indexer's top-k keys per query (DeepSeek-V3.2 DSA)
+    engine_dense = cache is not None and cache.dense_view and cache.plan is not None and not cache.owns_plan
+    if engine_dense and indices is not None:
+        raise RuntimeError("flashpage: the engine's dense-view step does not apply a sparse indexer's top-k keys "
+                           "(LLM refuses such models up front: checks.check_no_sparse_indexer)")
+    if engine_dense and not weights:
         return _step_dense(cache, query, key, value, options), None  # the engine's step on the dense view
     paged = cache is not None and cache.plan is not None and not cache.dense_view and layer is not None
-    # a sliding window counts padded positions; pages hold real tokens only: padding inside a sequence
-    # (right padding, masks with holes) needs the logical layout for windowed layers
-    logical = weights or (paged and cache.has_holes and options["window_size"] != (-1, -1))
+    chunk = state.chunks.get(layer, 0) if paged and getattr(state, "chunks", None) else 0
+    # a sliding window (or chunk) counts padded positions; pages hold real tokens only: padding inside a
+    # sequence (right padding, masks with holes) needs the logical layout for windowed layers; top-k indices
+    # address logical key positions; a padded prefill's chunked layers take transformers' chunked mask
+    local = options["window_size"] != (-1, -1) or chunk
+    logical = weights or indices is not None or (paged and cache.has_holes and local) or \
+        (paged and chunk and not getattr(_step(cache, query), "supports_chunks", True))  # (a compiled packed step:
+    # the engine's, which does)
     if paged and not logical:
-        return _paged(cache, layer, query, options), None
+        return _paged(cache, layer, query, options, chunk), None
     if paged:  # read the pages back as dense K/V at their logical positions (zeros at padding)
         key, value = cache.dense_kv(layer, query.dtype)
         if weights and sliding_window:  # transformers' sliding layers keep the last window - 1 past keys
             keep = min(key.shape[2] - query.shape[2], sliding_window - 1) + query.shape[2]
             key, value = key[:, :, -keep:], value[:, :, -keep:]
             attention_mask = attention_mask[..., -keep:] if attention_mask is not None else None
+    if indices is not None:
+        attention_mask = _select_keys(attention_mask, indices, query.shape[2], key.shape[2], options["causal"])
     return _dense(query, key, value, attention_mask, options, weights)
 
 
-def _paged(cache: Any, layer: int, query: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
+def _merge_indices(mask: torch.Tensor | None, indices: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """A DSA model's eager / sdpa mask: the keys its indexer did not select masked out, in the mask's own
+    kind (bool: False; additive float: the dtype's minimum), as the model builds it for those implementations."""
+    lk = mask.shape[-1] if mask is not None else int(indices.max()) + 1
+    if mask is None or mask.dtype == torch.bool:
+        return _select_keys(mask, indices, query.shape[2], lk, True)
+    chosen = torch.zeros((indices.shape[0], query.shape[2], lk), dtype=torch.bool, device=indices.device)
+    chosen.scatter_(-1, indices.long(), True)
+    return mask.masked_fill(~chosen.unsqueeze(1), torch.finfo(query.dtype).min)
+
+
+def _select_keys(mask: torch.Tensor | None, indices: torch.Tensor, lq: int, lk: int, causal: bool) -> torch.Tensor:
+    """The mask restricted to the keys a sparse-attention indexer selected, as transformers' eager / sdpa
+    paths of DSA models merge them: (B, 1, Lq, Lk) bool, True where a query attends a key.
+
+    Args:
+        mask: (B, 1, Lq, Lk) bool / additive float mask, or None (causal or full, by ``causal``).
+        indices: (B, Lq, topk) integer key positions per query (logical, as the dense K/V lay them out).
+    """
+    if mask is None:
+        mask = torch.ones((lq, lk), dtype=torch.bool, device=indices.device)
+        mask = (mask.tril(lk - lq) if causal else mask)[None, None]
+    elif mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask.to(torch.bool)
+    mask = mask[..., :lk]
+    chosen = torch.zeros((indices.shape[0], lq, lk), dtype=torch.bool, device=indices.device)
+    chosen.scatter_(-1, indices.long(), True)
+    return mask & chosen.unsqueeze(1)
+
+
+def _step(cache: Any, query: torch.Tensor) -> Any:
+    return cache.step if cache.step.input_slots.device == query.device else cache.plan.to(query.device)
+
+
+def _paged(cache: Any, layer: int, query: torch.Tensor, options: dict[str, Any], chunk: int = 0) -> torch.Tensor:
     """Attention on the pages through the step the cache prepared for this forward (no checks,
-    no backend choice, no host reads: this runs once per layer)."""
-    step = cache.step if cache.step.input_slots.device == query.device else cache.plan.to(query.device)
+    no backend choice, no host reads: this runs once per layer). ``chunk``: chunked attention's size."""
     kv = cache.kv
-    opts = LayerOptions(options["softmax_scale"], options["causal"], options["window_size"], options["softcap"])
-    return step.attend(query, kv.k_pages(layer), kv.v_pages(layer), opts, options.get("s_aux"))
+    opts = LayerOptions(options["softmax_scale"], options["causal"], options["window_size"], options["softcap"],
+                        chunk=chunk)
+    return _step(cache, query).attend(query, kv.k_pages(layer), kv.v_pages(layer), opts, options.get("s_aux"))
 
 
 def _step_dense(cache: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -148,14 +197,15 @@ def _step_dense(cache: Any, query: torch.Tensor, key: torch.Tensor, value: torch
 
 def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
            options: dict[str, Any], weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention on dense K/V (B, Hk, Lk, D) with transformers' mask (B, 1, Lq, Lk) bool or None
+    """Attention on dense K/V (B, Hk, Lk, D) with the mask the model hands over (B, 1|H, Lq, Lk): bool, an
+    additive float bias, or None
     (None: causal, bottom-right aligned). SDPA as transformers' sdpa attention calls it; softcap,
     attention sinks and attention weights as transformers' eager attention computes them."""
     lq, lk = query.shape[2], key.shape[2]
     scale = options["softmax_scale"] if options["softmax_scale"] is not None else query.shape[-1] ** -0.5
     if mask is not None and mask.shape[-1] > lk:  # a compiled forward's mask is max_cache_len wide
         mask = mask[..., :lk]
-    if mask is not None and mask.dtype != torch.bool:
+    if mask is not None and mask.dtype != torch.bool and not _is_bias(mask):
         mask = mask > torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask.to(torch.bool)
     if mask is None and options["causal"] and lq > 1:
         mask = torch.ones((lq, lk), dtype=torch.bool, device=query.device).tril(lk - lq)[None, None]
@@ -167,16 +217,28 @@ def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     return _eager(query, key, value, mask, scale, options["softcap"], options.get("s_aux"))
 
 
+def _is_bias(mask: torch.Tensor) -> bool:
+    """A float mask that carries a bias (values other than 0 and the dtype's minimum, e.g. Doge's dynamic
+    mask): it is added to the scores as transformers' sdpa / eager attention add it, not made boolean."""
+    if not mask.is_floating_point():
+        return False
+    low = torch.finfo(mask.dtype).min / 2
+    return bool(((mask != 0) & (mask > low)).any())
+
+
 def _eager(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
            softcap: float, s_aux: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' eager attention: scores, softcap, additive mask (dtype min), sinks, softmax in fp32."""
+    """transformers' eager attention: scores, softcap, additive mask (dtype min), sinks, softmax in fp32.
+    ``mask``: bool (True: attend) or an additive float bias."""
     group = query.shape[1] // key.shape[1]
     k = key.repeat_interleave(group, dim=1) if group > 1 else key
     v = value.repeat_interleave(group, dim=1) if group > 1 else value
     scores = torch.matmul(query, k.transpose(2, 3)) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
+    if mask is not None and mask.dtype != torch.bool:
+        scores = scores + mask
+    elif mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     if s_aux is not None:
         sinks = s_aux.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1).to(scores.dtype)

@@ -36,13 +36,15 @@ from flashpage.patches.geometry import shared_kv_layers
 from flashpage.patches.hf_cache import HFPagedCache, module_states
 
 # attention-call keyword arguments flashpage honours, or that do not change the result
-HONOURED_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "softcap", "is_causal", "s_aux"})
+HONOURED_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "softcap", "is_causal", "s_aux",
+                             "indices"})  # indices: a sparse-attention indexer's top-k keys (dense path)
 HARMLESS_KWARGS = frozenset({
     "position_ids", "output_attentions", "use_cache", "cache_position", "past_key_values", "cache",
     "token_type_ids", "layer_idx", "return_dict", "output_hidden_states", "head_mask", "training",
     # varlen metadata only flash-attention implementations read (None outside packed training)
     "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens_q", "cu_seqlens_k",
     "max_seqlen_q", "max_seqlen_k", "target_dtype", "query_length",
+    "logits_to_keep",  # which rows the LM head keeps (GOT-OCR2 hands its forward kwargs down to the layers)
 })
 # cache methods a model may call that flashpage's cache does not have, and what they mean
 CACHE_METHOD_MEANING = {
@@ -68,6 +70,9 @@ class AttentionCall:
         causal_used: whether flashpage's paged attention would attend causally for this call.
         mask_causal: whether the mask the model built is causal (True) or bidirectional (False) over
             the unpadded row of the prefill; None when there is no such mask.
+        mask_edited: the mask the module hands the attention function is none of the masks transformers'
+            mask functions built in this forward (the model edited it: e.g. Qwen4-Exp's sparse indexer
+            removes the keys it did not select), so only attention under that very mask is exact.
     """
 
     forward: int
@@ -78,6 +83,7 @@ class AttentionCall:
     mask_window: tuple[str, int] | None = None
     causal_used: bool = True
     mask_causal: bool | None = None
+    mask_edited: bool = False
 
 
 @dataclass
@@ -96,6 +102,7 @@ class ProbeReport:
             (``patch`` makes them causal while patched).
         transformers_layers: per layer, what transformers' own cache for this config holds
             (``"full"``, ``"sliding:W"``, ``"chunked:W"``, ``"linear"``, ``"dummy"`` or a class name).
+        indexer_layers: layers whose sparse-attention indexer stored keys through ``cache.update_indexer``.
     """
 
     updates: list[Counter] = field(default_factory=list)
@@ -108,6 +115,7 @@ class ProbeReport:
     causal_by_mask: list[torch.nn.Module] = field(default_factory=list)
     error: BaseException | None = None
     transformers_layers: list[str] = field(default_factory=list)
+    indexer_layers: list[int] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------- recording
@@ -119,11 +127,21 @@ class _Recorder:
         self.report = ProbeReport()
         self.returned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.masks: dict[int, tuple[str, int]] = {}
+        self.made: list[torch.Tensor] = []  # every mask the mask function built in this forward
         self.kept: list[Any] = []
 
     def start_forward(self) -> None:
         self.report.updates.append(Counter())
         self.returned = {}
+        self.made = []
+
+    def edited(self, mask: Any) -> bool:
+        """Whether ``mask`` is none of the masks the mask function built in this forward (nor a view of one):
+        a new tensor is the model's edit, whether or not the probe's short prompt makes it change a value
+        (a sparse indexer that keeps every key of a short context still selects on a long one)."""
+        if not isinstance(mask, torch.Tensor):
+            return False
+        return not any(mask is m or _shares_storage(mask, m) for m in self.made)
 
     def updated(self, layer: int, stored: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor,
                 value: torch.Tensor) -> None:
@@ -142,7 +160,8 @@ class _Recorder:
         set_kwargs = {k: v for k, v in kwargs.items() if v is not None and v is not False}
         causal = attention._kernel_options(module, None, None, None, kwargs.get("is_causal"), None)["causal"]
         self.report.calls.append(AttentionCall(len(self.report.updates) - 1, layer, type(module).__name__, own,
-                                               set_kwargs, self.masks.get(id(mask)), causal, _mask_causal(mask)))
+                                               set_kwargs, self.masks.get(id(mask)), causal, _mask_causal(mask),
+                                               self.edited(mask)))
         if self.report.calls[-1].mask_causal and not causal and module not in self.report.causal_by_mask:
             self.report.causal_by_mask.append(module)
         return own
@@ -166,6 +185,11 @@ def _state_written(layer: Any) -> bool:
     """Whether a cache state layer received a conv or recurrent state."""
     flags = [getattr(layer, name, {}) for name in ("is_conv_states_initialized", "is_recurrent_states_initialized")]
     return any(any(f.values()) if isinstance(f, dict) else bool(f) for f in flags)
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` is ``b`` or a view of it (a slice of the mask's key columns, a broadcast over heads)."""
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -193,6 +217,8 @@ def _recording_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
 def _recording_mask(*args: Any, **kwargs: Any) -> Any:
     mask = attention.paged_mask(*args, **kwargs)
     rec = _ACTIVE
+    if rec is not None and isinstance(mask, torch.Tensor):
+        rec.made.append(mask)
     local = kwargs.get("local_size")
     if rec is not None and mask is not None and local:
         creator = sys._getframe(1).f_code.co_name
@@ -213,6 +239,11 @@ class _ProbeCache(HFPagedCache):
         if self.recorder is not None:
             self.recorder.updated(layer_idx, (key_states, value_states), key, value)
         return key, value
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        if self.recorder is not None and layer_idx not in self.recorder.report.indexer_layers:
+            self.recorder.report.indexer_layers.append(layer_idx)
+        return super().update_indexer(indexer_key_states, layer_idx)
 
 
 @contextmanager
@@ -399,7 +430,8 @@ def check_attention_arguments(report: ProbeReport, config: Any, family: Any) -> 
 
 def check_windows(report: ProbeReport, config: Any, family: Any) -> str | None:
     """The window each layer's mask or transformers' own cache applies is the ``sliding_window`` its
-    attention call passes (flashpage applies only that one); chunked attention is not supported."""
+    attention call passes (flashpage applies only that one); chunked attention is applied as the probe saw it
+    (:func:`chunked_layers`)."""
     limit = int(getattr(config, "max_position_embeddings", 0) or 0)
     for call in report.calls:
         expected = _expected_window(report, call)
@@ -409,13 +441,23 @@ def check_windows(report: ProbeReport, config: Any, family: Any) -> str | None:
         if limit and size >= limit:
             continue  # never reached
         if kind == "chunked":
-            return (f"layer {call.layer} uses chunked attention (chunks of {size} tokens), which flashpage's "
-                    "kernels do not implement")
+            continue  # applied by flashpage's attention from what the probe saw (chunked_layers)
         if call.kwargs.get("sliding_window") != size:
             return (f"layer {call.layer} has a sliding window of {size} tokens that its attention call does not "
                     f"pass (sliding_window={call.kwargs.get('sliding_window')}), so flashpage would attend "
                     "beyond it")
     return None
+
+
+def chunked_layers(report: ProbeReport) -> dict[int, int]:
+    """``{layer: chunk size}`` of the layers with chunked attention (Llama 4's local layers), from the mask
+    transformers built for them or its own cache's layer type."""
+    chunks = {}
+    for call in report.calls:
+        expected = _expected_window(report, call)
+        if expected is not None and expected[0] == "chunked" and call.layer is not None:
+            chunks[call.layer] = expected[1]
+    return chunks
 
 
 def _expected_window(report: ProbeReport, call: AttentionCall) -> tuple[str, int] | None:
@@ -470,6 +512,12 @@ def kv_transformed(report: ProbeReport) -> list[int]:
     return sorted({c.layer for c in report.calls if c.own_kv is False and c.layer is not None})
 
 
+def mask_edited(report: ProbeReport) -> list[int]:
+    """Layers whose attention receives a mask the model edited after transformers built it (they need the
+    model's own mask: the dense view, in generate() only)."""
+    return sorted({c.layer for c in report.calls if c.mask_edited and c.layer is not None})
+
+
 def _short(text: str, limit: int = 200) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
@@ -493,7 +541,29 @@ def check_recurrent_state_in_cache(model: torch.nn.Module, report: ProbeReport) 
     return None
 
 
-ENGINE_CHECKS: list[EngineCheck] = [check_recurrent_state_in_cache]
+def check_mask_not_edited(model: torch.nn.Module, report: ProbeReport) -> str | None:
+    """The engine's packed steps attend without transformers' masks: a model that edits the mask itself
+    (a sparse indexer's selection expressed only in the mask, e.g. Qwen4-Exp's) is exact only in generate()."""
+    edited = mask_edited(report)
+    if edited:
+        return (f"layers {edited} edit the attention mask themselves (e.g. a sparse indexer's token selection), "
+                "and the engine's packed steps attend without transformers' masks")
+    return None
+
+
+def check_no_sparse_indexer(model: torch.nn.Module, report: ProbeReport) -> str | None:
+    """A sparse-attention indexer (DeepSeek-V3.2 DSA) picks its keys with ``topk`` over one row of scores per
+    query; which of several tied scores (ReLU zeros are common) it keeps depends on the row's length and
+    layout, so only the [B, L] layout of generate() reproduces it. In a packed engine step a request's keys sit
+    among other requests' (masked) ones: the same scores, another tie-break (measured: deepseek_v32 and
+    glm_moe_dsa exact one request per step, a different token at step 4 when two share a step)."""
+    if report.indexer_layers:
+        return (f"its sparse-attention indexer (layers {sorted(report.indexer_layers)}) picks keys by top-k, whose "
+                "choice among tied scores depends on the padded [B, L] layout that the engine's packed steps lack")
+    return None
+
+
+ENGINE_CHECKS: list[EngineCheck] = [check_recurrent_state_in_cache, check_mask_not_edited, check_no_sparse_indexer]
 
 
 def engine_refusal_reason(model: torch.nn.Module, report: ProbeReport | None) -> str | None:

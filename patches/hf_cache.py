@@ -33,6 +33,8 @@ from flashpage.errors import check_positive_ints
 from flashpage.patches.compat import legacy_crop, require_supported_transformers
 from flashpage.patches.geometry import shared_kv_layers
 
+INDEXER_GROUP = "indexer"  # the extra page group holding sparse-attention indexer keys
+
 
 @dataclass(frozen=True)
 class MemoryStats:
@@ -68,7 +70,9 @@ class MemoryStats:
 
 
 class _PagedLayer(CacheLayerMixin):
-    """Per-layer view transformers iterates over; all state lives in the parent cache."""
+    """Per-layer view transformers iterates over; all state lives in the parent cache (except
+    ``indexer_position_ids``, (P, B, L) positions a sparse indexer records on its layer, which the parent
+    keeps in step with its rows: reordered, cropped and reset with them)."""
 
     is_compileable = False
     is_croppable = True
@@ -79,6 +83,10 @@ class _PagedLayer(CacheLayerMixin):
         self._parent = parent
         self._layer_idx = layer_idx
         self.is_initialized = True
+        self.indexer_position_ids: torch.Tensor | None = None
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        return self._parent.update_indexer(indexer_key_states, self._layer_idx)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
@@ -396,6 +404,7 @@ class HFPagedCache(Cache):
                 self.kv.truncate(seq, self.kv.num_tokens(seq) - n)
         self._logical_len -= remove
         self._real = self._real[:, : self._logical_len]
+        self._trim_indexer_positions()
 
     def reset(self) -> None:
         """Free every sequence (the pool stays allocated for reuse)."""
@@ -407,6 +416,7 @@ class HFPagedCache(Cache):
         self._states_lost = False
         self.rows = []
         self._logical_len = 0
+        self._trim_indexer_positions()
         self._real = torch.zeros((0, 0), dtype=torch.bool)
         self.plan = None
 
@@ -496,11 +506,13 @@ class HFPagedCache(Cache):
                 self.layers[i].reset()
             self.rows = []
             self._real = torch.zeros((0, 0), dtype=torch.bool)
+            self._trim_indexer_positions()
         else:
             self._states_lost = self.has_states
             for seq, n in zip(plan.seq_ids, plan.context_lens, strict=True):
                 self.kv.truncate(seq, n, invalidate=True)
             self._real = self._real[:, : self._logical_len]
+            self._trim_indexer_positions()
         self._pending = 0
 
     def _create_pool(self, batch: int, length: int, device: torch.device | None) -> None:
@@ -570,6 +582,7 @@ class HFPagedCache(Cache):
             index = torch.as_tensor(rows, dtype=torch.long)
             for i in self.state_layers:
                 self.layers[i].reorder_cache(index)
+        self._select_indexer_positions(rows)
         if self.kv is None or not self.rows:
             return
         old = self.rows
@@ -586,14 +599,59 @@ class HFPagedCache(Cache):
     def dense_kv(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, Hk, logical_len, D) K/V with stored tokens at their logical positions, zeros at pads."""
         k, v, lengths = self.kv.gather(layer_idx, self.rows)
-        b, total = len(self.rows), self._logical_len + self._pending
-        real = self._real.to(k.device)
-        valid = torch.arange(k.shape[1], device=k.device)[None, :] < torch.tensor(lengths, device=k.device)[:, None]
-        dense_k = k.new_zeros((b, total, *k.shape[2:]))
-        dense_v = v.new_zeros((b, total, *v.shape[2:]))
-        dense_k[real] = k[valid]
-        dense_v[real] = v[valid]
+        dense_k, dense_v = self._logical(k, lengths), self._logical(v, lengths)
         return dense_k.transpose(1, 2).to(dtype), dense_v.transpose(1, 2).to(dtype)
+
+    def _logical(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """(B, Lmax, ...) stored rows per sequence -> (B, logical_len, ...) at their logical positions, zeros
+        at padding (the layout transformers' dynamic caches have, with pads' entries zeroed)."""
+        b, total = len(self.rows), self._logical_len + self._pending
+        real = self._real.to(x.device)
+        valid = torch.arange(x.shape[1], device=x.device)[None, :] < torch.tensor(lengths, device=x.device)[:, None]
+        dense = x.new_zeros((b, total, *x.shape[2:]))
+        dense[real] = x[valid]
+        return dense
+
+    # ------------------------------------------------------ sparse-attention indexers
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Store a sparse-attention indexer's new keys (DeepSeek-V3.2's DSA lightning indexer and its kin)
+        and return all of the layer's indexer keys, as transformers' ``DynamicIndexedLayer`` does.
+
+        The keys live in an extra page group of the pool ("indexer"), addressed by the same block tables
+        as the layer's K/V (vLLM keeps them so): they fork, crop and free with the sequences.
+
+        Args:
+            indexer_key_states: (B, L, Di) the new tokens' indexer keys.
+
+        Returns:
+            (B, past + L, Di) the keys at their logical positions (zeros at padding, which the indexer's
+            mask excludes).
+        """
+        if self.plan is None or not self._owns_plan:
+            raise RuntimeError(
+                "HFPagedCache.update_indexer() was called outside a forward planned by patched generate(); "
+                "flashpage.LLM does not run sparse-attention indexers (patch the model and use generate())")
+        b, length = indexer_key_states.shape[:2]
+        rows = indexer_key_states.reshape(b * length, 1, *indexer_key_states.shape[2:])
+        step = self.step if self.step is not None and self.step.input_slots.device == rows.device else self.plan
+        self.kv.write_extra(INDEXER_GROUP, layer_idx, rows, step)
+        stored, lengths = self.kv.gather_extra(INDEXER_GROUP, layer_idx, self.rows)
+        return self._logical(stored[:, :, 0], lengths).to(indexer_key_states.dtype)
+
+    def _trim_indexer_positions(self) -> None:
+        """Keep each layer's ``indexer_position_ids`` (P, B, L) (positions a model records on the cache layer,
+        e.g. Qwen4-Exp's) as long as the logical length."""
+        for layer in self.layers:
+            ids = getattr(layer, "indexer_position_ids", None)
+            if ids is not None and ids.shape[-1] > self._logical_len:
+                layer.indexer_position_ids = ids[..., : self._logical_len] if self._logical_len else None
+
+    def _select_indexer_positions(self, rows: list[int]) -> None:
+        for layer in self.layers:
+            ids = getattr(layer, "indexer_position_ids", None)
+            if ids is not None:
+                layer.indexer_position_ids = ids.index_select(1, torch.as_tensor(rows, dtype=torch.long,
+                                                                                 device=ids.device))
 
     def step_kv(self, layer_idx: int, dtype: torch.dtype, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The dense view of a step the caller planned (the engine): every sequence's whole K/V, this

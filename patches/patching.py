@@ -55,6 +55,7 @@ class PatchState:
     user_set_attn: Any = None  # an instance-level set_attn_implementation we replaced
     report: checks.ProbeReport | None = None  # what the probe forward saw (checks.py)
     restore: list[tuple[Any, str, Any]] = field(default_factory=list)  # (object, attribute, value) for unpatch
+    chunks: dict[int, int] = field(default_factory=dict)  # {layer: chunk size} of chunked-attention layers
 
 
 class UnsupportedModelError(TypeError):
@@ -81,7 +82,8 @@ def patch(model: torch.nn.Module, **cache_options: Any) -> torch.nn.Module:
     family = _family_of(model)
     register()
     state = PatchState(family=family, cache_options=dict(cache_options),
-                       previous_attn=getattr(model.config, "_attn_implementation", None), root=model)
+                       previous_attn=getattr(model.config.get_text_config(decoder=True), "_attn_implementation", None),
+                       root=model)
     _install(model, state)
     try:
         if family.install is not None:  # adapters (legacy.py) change the model's attention modules
@@ -128,6 +130,7 @@ def _checked_family(model: torch.nn.Module, state: PatchState) -> FamilySpec:
     cached = vars(model).get(_CHECKED_ATTR)
     if cached is not None:
         state.report = cached[1]
+        state.chunks = checks.chunked_layers(cached[1])
         _make_causal(state, cached[1].causal_by_mask)
         return cached[0]
     family = state.family
@@ -137,11 +140,16 @@ def _checked_family(model: torch.nn.Module, state: PatchState) -> FamilySpec:
         _make_causal(state, fixed)
         report = checks.probe(model, state)
         report.causal_by_mask = fixed
-    transformed = checks.kv_transformed(report) if family.path == "interface" and report.error is None else []
-    if transformed:
+    interface = family.path == "interface" and report.error is None
+    transformed = checks.kv_transformed(report) if interface else []
+    edited = checks.mask_edited(report) if interface else []
+    if transformed or edited:
         mla = any(is_mla(m) for m in model.modules() if getattr(m, "layer_idx", None) in transformed)
         note = MLA_NOTE if mla else (f"K/V transformed after cache.update (layers {transformed}): attention on "
                                      "what the model hands it, read back densely from the pages")
+        if not transformed:
+            note = (f"attention mask edited by the model (layers {edited}): attention under that mask, on K/V "
+                    "read back densely from the pages")
         family = FamilySpec(family.model_type, "dense-view", family.set_attention, note)
         state.family = family
         report = checks.probe(model, state)
@@ -149,6 +157,7 @@ def _checked_family(model: torch.nn.Module, state: PatchState) -> FamilySpec:
     if reason is not None:
         raise UnsupportedModelError(_refusal(model, reason))
     state.report = report
+    state.chunks = checks.chunked_layers(report)
     model.__dict__[_CHECKED_ATTR] = (family, report)
     return family
 
@@ -248,13 +257,23 @@ def _family_of(model: torch.nn.Module) -> FamilySpec:
             f"{config.model_type!r}) is encoder-decoder. Use it unpatched.")
     text_config = config.get_text_config(decoder=True)
     family = family_for(text_config.model_type)
-    if family.set_attention and not model._can_set_attn_implementation():
+    if family.set_attention and not model._can_set_attn_implementation() and not _text_model_can_set(model):
         inner = f" (text model {text_config.model_type!r})" if text_config.model_type != config.model_type else ""
         raise UnsupportedModelError(
             f"flashpage cannot patch {name} (model_type={config.model_type!r}{inner}): its attention does not go "
             "through transformers' AttentionInterface and flashpage has no adapter for it. Use it unpatched, "
             "or add an adapter module in flashpage/patches (see patches/legacy.py).")
     return family
+
+
+def _text_model_can_set(model: torch.nn.Module) -> bool:
+    """Whether the text (decoder) model inside a composite one can select an attention implementation while
+    another part cannot (GOT-OCR2's vision encoder): flashpage's attention is then selected for the text model
+    only, and the probe checks that every layer holding K/V goes through it."""
+    text = model.config.get_text_config(decoder=True)
+    return text is not model.config and any(
+        getattr(m, "config", None) is text and callable(getattr(m, "_can_set_attn_implementation", None))
+        and m._can_set_attn_implementation() for m in model.modules())
 
 
 def _hooked_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -282,8 +301,14 @@ def _attention_switched(model: torch.nn.Module, state: PatchState) -> str | None
     """The implementation someone selected instead of flashpage's, or None while flashpage's is selected."""
     if not state.family.set_attention:
         return None
-    name = getattr(model.config, "_attn_implementation", None)
+    name = getattr(model.config.get_text_config(decoder=True), "_attn_implementation", None)
     return None if name == ATTN_NAME else str(name)
+
+
+def attention_switched(model: torch.nn.Module) -> bool:
+    """Whether a patched model's attention selection moved away from flashpage's since ``patch``."""
+    state = patch_state(model)
+    return state is not None and _attention_switched(model, state) is not None
 
 
 def _switch_attention(self, attn_implementation: Any = None, *args: Any, **kwargs: Any) -> Any:

@@ -105,7 +105,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "mamba2": {"head_dim": 16},
     "reformer": {"is_decoder": True, "axial_pos_embds": False},
     "dots3_note_text": {"num_key_value_heads": 4},
-    "dots3_note": {"text_config": {"num_key_value_heads": 4}},
+    "dots3_note": {"text_config": {"num_key_value_heads": 4},  # its vision / audio adapters take the towers' width
+                   "vision_config": {"adapter_in_dim": 32, "adapter_out_dim": 32},
+                   "audio_config": {"adapter_input_size": 32, "adapter_out_dim": 32}},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     # BERT-like decoders as transformers' testers build them for causal LM (prepare_config_and_inputs_for_decoder):
     # is_decoder=True; BigBird with a cache runs original_full attention (it switches to it by itself)

@@ -91,3 +91,13 @@ def test_real_run_against_vllm(capsys):
     assert code == 0, err[-3000:]
     assert "greedy tokens identical: 20/20 requests" in out
     assert "flashpage / vLLM:" in out
+
+
+def test_a_relative_model_directory_reaches_vllm_as_an_absolute_path(tmp_path: Path, monkeypatch):
+    from flashpage.bench.vs_vllm import vllm_model_arg
+
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert vllm_model_arg("models/tiny") == str(tmp_path / "models" / "tiny")
+    assert vllm_model_arg("org/some-model") == "org/some-model"  # not a local directory: a hub id
+    assert vllm_model_arg(None) is None

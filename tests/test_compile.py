@@ -115,6 +115,34 @@ def test_llm_compiled_steps_of_every_kind(model: torch.nn.Module) -> None:
     assert first == second == eager == reference
 
 
+def test_llm_compiled_steps_sliding_window_and_softcap() -> None:
+    """Gemma 2 (sliding-window layers, attention softcap, its own norms): the layer options reach the
+    packed attention op, tokens equal generate(). transformers' sliding mask code branches on T
+    against the window, so T splits into two ranges: at most two graphs, none added when warm."""
+    from model_zoo import tiny_model
+
+    from flashpage import LLM, SamplingParams
+
+    torch.compiler.reset()
+    model = tiny_model("gemma2").eval()  # sliding_window 8, attn_logit_softcapping 5.0
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 17, 9, 30)]
+    reference = _reference(model, prompts, 12)
+    llm = LLM(model, num_blocks=64, block_size=4, compile=True, max_num_batched_tokens=16,
+              enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    counters.clear()
+    first = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    graphs = counters["stats"]["unique_graphs"]
+    assert llm.stats().compiled_steps == llm.stats().steps and set(llm._compiled_step.kinds) == {
+        "prefill", "mixed", "decode"}
+    assert 1 <= graphs <= 2
+    second = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert counters["stats"]["unique_graphs"] == graphs, "the warm compiled step recompiled"
+    assert first == second == reference
+    torch.compiler.reset()
+
+
 def test_llm_compiled_step_follows_weight_updates(model: torch.nn.Module) -> None:
     """Weights are graph inputs, never frozen: after an in-place update (what an RL trainer's
     optimizer or load_state_dict does) the compiled step computes with the new weights, without
@@ -170,7 +198,7 @@ def test_packed_step_ops_pass_opcheck() -> None:
     plan = build_plan(["a", "b"], [3, 1], [2, 5], [[3, 1], [5, 2]], block_size=4)  # a prefill chunk and a decode
     step = plan.to("cpu")
     q = torch.randn(6, 4, 8, generator=g)  # 4 real tokens, 2 padding rows
-    args = (q, k_pages, v_pages, -1.0, True, -1, -1, 0.0, None, None)
+    args = (q, k_pages, v_pages, -1.0, True, -1, -1, 0.0, None, None, 0)
     with packed.current_step(step):
         torch.library.opcheck(packed.attend_packed_op, args)
         out = packed.attend_packed_op(*args)

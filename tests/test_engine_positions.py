@@ -74,6 +74,17 @@ def _check_llm(model: torch.nn.Module, prompts: list[list[int]], **llm_kw) -> No
             assert abs(lp.logprob - want) < 1e-4, (step, lp.logprob, want)
 
 
+def _assert_samples_match(refs: list[tuple[list[int], list[torch.Tensor]]], outs: list) -> None:
+    """Every sample of every output equals its prompt's reference (tie-aware), logprobs within 1e-4."""
+    for (ref_tokens, ref_logits), out in zip(refs, outs, strict=True):
+        for got in out.outputs:
+            match = compare_greedy(ref_tokens, got.token_ids, ref_logits)
+            assert match.ok, f"{match.explain()}\nref={ref_tokens}\ngot={got.token_ids}"
+            for step, (tok, lp) in enumerate(zip(got.token_ids[: match.position], got.logprobs, strict=False)):
+                want = torch.log_softmax(ref_logits[step].double(), -1)[tok].item()
+                assert abs(lp.logprob - want) < 1e-4, (step, lp.logprob, want)
+
+
 @pytest.mark.parametrize("model_type", list(DECODERS))
 def test_llm_positions_and_logits_match_generate(model_type: str) -> None:
     """Three prompts of different lengths packed in one step (and chunked: 8 tokens per step)."""
@@ -173,14 +184,26 @@ def test_unapplied_generation_config_fields_are_named() -> None:
         flashpage.LLM(model, generation_config="nope")
 
 
-def test_models_with_their_own_cache_class_are_refused_by_llm() -> None:
-    """xLSTM keeps its state in its own cache class: LLM says so up front and leaves the model unpatched."""
+def test_own_rnn_state_cache_is_stood_in_for() -> None:
+    """xLSTM keeps its recurrent states in its own cache class (``rnn_state`` per layer) and ignores
+    ``logits_to_keep``: the engine's cache holds those states (from the state slots, zeros for new
+    sequences) and picks the kept rows itself. Chunked prompts, n=2 forks and preemption: exact."""
     config = AutoConfig.for_model("xlstm", vocab_size=128, hidden_size=64, embedding_dim=64, num_hidden_layers=2,
                                   num_heads=4, chunk_size=16, qk_dim_factor=1.0, pad_token_id=0, eos_token_id=1)
     model = model_from_config("xlstm", config)
-    with pytest.raises(flashpage.UnsupportedModelError, match=r"model_type='xlstm'.*its own cache class"):
-        flashpage.LLM(model, num_blocks=8, block_size=4)
-    assert not is_patched(model)
+    refs = [_reference(model, p) for p in PROMPTS]
+    with torch_threads(1):
+        llm = flashpage.LLM(model, num_blocks=8, block_size=4, max_model_len=32, max_num_batched_tokens=8,
+                            check_invariants=True)
+        try:
+            outs = llm.generate(PROMPTS, SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0, logprobs=0),
+                                use_tqdm=False)
+            stats = llm.stats()
+        finally:
+            unpatch(model)
+    assert stats.preemptions > 0 and stats.kv_bytes_per_token == 0 and stats.state_bytes_per_seq > 0
+    assert any(key[0] == "rnn" for key in llm._states.pools)
+    _assert_samples_match(refs, outs)
 
 
 def test_module_held_recurrent_state_is_kept_per_sequence() -> None:
@@ -204,13 +227,7 @@ def test_module_held_recurrent_state_is_kept_per_sequence() -> None:
         finally:
             unpatch(model)
     assert llm._token_by_token and stats.preemptions > 0 and stats.state_bytes_per_seq > 0
-    for (ref_tokens, ref_logits), out in zip(refs, outs, strict=True):
-        for got in out.outputs:
-            match = compare_greedy(ref_tokens, got.token_ids, ref_logits)
-            assert match.ok, f"{match.explain()}\nref={ref_tokens}\ngot={got.token_ids}"
-            for step, (tok, lp) in enumerate(zip(got.token_ids[: match.position], got.logprobs, strict=False)):
-                want = torch.log_softmax(ref_logits[step].double(), -1)[tok].item()
-                assert abs(lp.logprob - want) < 1e-4, (step, lp.logprob, want)
+    _assert_samples_match(refs, outs)
 
 
 def test_own_linear_state_cache_is_stood_in_for() -> None:
@@ -233,13 +250,7 @@ def test_own_linear_state_cache_is_stood_in_for() -> None:
             unpatch(model)
     assert type(llm._cache).__name__ == "PagedMiniMaxCache" and stats.preemptions > 0
     assert any(key[0] == "linear" for key in llm._states.pools) and stats.kv_bytes_per_token > 0
-    for (ref_tokens, ref_logits), out in zip(refs, outs, strict=True):
-        for got in out.outputs:
-            match = compare_greedy(ref_tokens, got.token_ids, ref_logits)
-            assert match.ok, f"{match.explain()}\nref={ref_tokens}\ngot={got.token_ids}"
-            for step, (tok, lp) in enumerate(zip(got.token_ids[: match.position], got.logprobs, strict=False)):
-                want = torch.log_softmax(ref_logits[step].double(), -1)[tok].item()
-                assert abs(lp.logprob - want) < 1e-4, (step, lp.logprob, want)
+    _assert_samples_match(refs, outs)
 
 
 def test_forced_eos_applies_with_ignore_eos() -> None:

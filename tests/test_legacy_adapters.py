@@ -151,8 +151,10 @@ def test_llm_packed_prefix_cached_preempted_equals_unpatched(models, variant: st
     prompts = random_prompts(3, 3, 9, seed=4, prefix=random_prompts(1, 9, 9, seed=5)[0]) + random_prompts(2, 2, 6)
     llm = LLM(model, block_size=4, num_blocks=14, max_num_batched_tokens=8, max_num_seqs=4,
               enable_prefix_caching=True, check_invariants=True)
+    state = patch_state(model)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=1, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
+    assert patch_state(model) is state  # the engine kept the patch (no re-patch per step)
     stats = llm.stats()
     assert paged_calls
     assert stats.preemptions > 0 and stats.prefix_cache_hit_rate > 0
@@ -273,3 +275,24 @@ def test_types_no_adapter_can_make_exact_say_why(model_type: str, reason: str) -
         flashpage.patch(model)
     assert f"model_type={model.config.model_type!r}" in str(info.value)
     assert not flashpage.is_patched(model)
+
+
+def test_composite_model_whose_vision_part_bypasses_the_interface() -> None:
+    """GOT-OCR2: its vision encoder cannot select an attention implementation, its text model can:
+    flashpage's attention is selected for the text model only, exact, and unpatch restores it."""
+    torch.manual_seed(0)
+    config = sweep_config("got_ocr2")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    text, vision = config.get_text_config(decoder=True), config.vision_config
+    before = (text._attn_implementation, vision._attn_implementation)
+    ids, mask = left_padded_batch([7, 4], seed=9)
+    ids = ids.clamp(min=3, max=min(VOCAB, text.vocab_size) - 1).masked_fill(mask == 0, 0)
+    ref_tokens, ref_logits = _greedy(model, ids, mask)
+    flashpage.patch(model)
+    assert patch_state(model).family.path == "interface"
+    assert (text._attn_implementation, vision._attn_implementation) == ("pagedkv", before[1])
+    got_tokens, got_logits = _greedy(model, ids, mask)
+    assert torch.equal(ref_tokens, got_tokens)
+    assert max((a - b).abs().max().item() for a, b in zip(ref_logits, got_logits, strict=True)) <= TOL
+    flashpage.unpatch(model)
+    assert (text._attn_implementation, vision._attn_implementation) == before

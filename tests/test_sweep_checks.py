@@ -61,13 +61,12 @@ def test_causal_mask_on_non_causal_module() -> None:
 
 
 @pytest.mark.parametrize(("model_type", "reason"), [
-    ("deepseek_v32", r"sparse-attention indexer .*cache\.update_indexer\(\)"),
+    ("deepseek_v4", r"compressed sparse attention .*cache\.store_compression_weights\(\)"),
     ("mllama", r"cross-attention layers"),
     ("moshi", r"sliding window of 5 tokens that its attention call does not pass"),
-    ("llama4_text", r"chunked attention"),
     ("git", r"test forward through flashpage's cache failed"),
     ("dory", r"looped / recurrent-depth layers"),
-    ("got_ocr2", r"AttentionInterface"),
+    ("rwkv", r"no attention: its recurrent \(time-mixing\) state"),
 ])
 def test_refusals_name_type_and_reason(model_type: str, reason: str) -> None:
     model = sm.build_model(model_type)

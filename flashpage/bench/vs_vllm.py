@@ -183,7 +183,7 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
     _log(f"model: {bm.name}; workload {workload}: {work.description}; vLLM {version}")
     with tempfile.TemporaryDirectory(prefix="flashpage-vs-vllm-") as tmp:
         workdir = Path(tmp)
-        model_dir = model_name
+        model_dir = vllm_model_arg(model_name)
         if model_dir is None:
             model_dir = str(workdir / "model")
             bm.model.save_pretrained(model_dir)  # vLLM loads the very weights flashpage runs
@@ -229,6 +229,15 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
         "load_average_1m": load_average(),
         "timing_note": "alternating runs in one session; generate() call only, load and warm-up excluded",
     }
+
+
+def vllm_model_arg(model_name: str | None) -> str | None:
+    """What vLLM's interpreter is given for ``--model``: a local directory as an absolute path (a
+    relative one, e.g. ``flashpage/tiny/model``, is taken there for a hub id and refused), a hub id
+    as it is, None (the bench model, saved by the caller) as None."""
+    if model_name is not None and os.path.isdir(os.path.expanduser(model_name)):
+        return os.path.abspath(os.path.expanduser(model_name))
+    return model_name
 
 
 def _kv_bytes_per_token(model: Any) -> int:

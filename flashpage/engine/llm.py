@@ -45,12 +45,12 @@ from flashpage.engine.states import (
 from flashpage.engine.structured import GrammarEngine, StructuredOutputsParams
 from flashpage.engine.weights import WeightWatcher, forget_kv
 from flashpage.errors import check_positive_ints
-from flashpage.patches import ATTN_NAME, HFPagedCache, is_patched, patch, unpatch
+from flashpage.patches import HFPagedCache, is_patched, patch, unpatch
 from flashpage.patches.checks import _probe_tokens, engine_refusal_reason
 from flashpage.patches.compat import cache_kwarg, require_supported_transformers
 from flashpage.patches.hf_cache import module_states
 from flashpage.patches.linear_cache import engine_cache_class
-from flashpage.patches.patching import UnsupportedModelError, patch_state
+from flashpage.patches.patching import UnsupportedModelError, attention_switched, patch_state
 
 Prompt = str | Sequence[int]
 
@@ -225,6 +225,11 @@ class LLM:
             if compile:  # it, whose width is the step's keys: no static shapes to compile
                 warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} transforms its K/V after the "
                               "cache (dense view); its steps run eagerly", stacklevel=2)
+            use_compile = False
+        if state.chunks:  # chunked attention (Llama 4): the model's own code specialises on the step's length
+            if compile:
+                warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} has chunked-attention "
+                              "layers; its steps run eagerly", stacklevel=2)
             use_compile = False
         self._positions = EnginePositions.install(self.model)  # BART family: positions from the cache length
         self._keeps_logits = honours_logits_to_keep(self.model)  # whisper: logits of every row
@@ -654,7 +659,7 @@ class LLM:
 
     def _ensure_patched(self) -> None:
         """Re-patch if someone unpatched the model (or switched its attention) since the last step."""
-        if not is_patched(self.model) or self.model.config._attn_implementation != ATTN_NAME:
+        if not is_patched(self.model) or attention_switched(self.model):
             unpatch(self.model)
             patch(self.model)
 

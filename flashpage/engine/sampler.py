@@ -179,12 +179,10 @@ def draw(probs: torch.Tensor) -> torch.Tensor:
 
 def _last_positive_past_end(index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``index`` (N,), except where it points past the end of ``values`` (N, W) (a uniform that rounding
-    put at or past the cumulative total): there the last positive entry of that row."""
-    over = index >= values.shape[1]
-    if not bool(over.any()):
-        return index
+    put at or past the cumulative total): there the last positive entry of that row. No host sync
+    (``values`` is small: block masses, or one block)."""
     last = values.shape[1] - 1 - (values.flip(-1) > 0).to(torch.int8).argmax(-1)
-    return torch.where(over, last, index)
+    return torch.where(index >= values.shape[1], last, index)
 
 
 def sample_nucleus(rows: torch.Tensor, top_p: Sequence[float], min_p: Sequence[float],

@@ -103,10 +103,11 @@ def refuse_custom_cache(model: Any) -> None:
     (Recurrent state a model keeps in its modules, RecurrentGemma's, the engine swaps per forward:
     ``HFPagedCache.module_states``.)"""
     from flashpage.patches import UnsupportedModelError
-    from flashpage.patches.linear_cache import own_linear_cache_class
+    from flashpage.patches.linear_cache import own_linear_cache_class, own_rnn_cache_class
 
     supports = getattr(model, "_supports_default_dynamic_cache", None)
-    if supports is not None and not supports() and own_linear_cache_class(model) is None:  # MiniMax's is stood in for
+    stood_in = own_linear_cache_class(model) is not None or own_rnn_cache_class(model) is not None  # MiniMax, xLSTM
+    if supports is not None and not supports() and not stood_in:
         name = getattr(model.config, "model_type", type(model).__name__)
         raise UnsupportedModelError(
             f"flashpage.LLM does not serve {type(model).__name__} (model_type={name!r}): it keeps its state in its own "

@@ -257,6 +257,8 @@ def _run(model: Any, kv: Any, cache: Any, cache_kwarg: str, device: torch.device
     keep = torch.tensor(positions or [length - 1], dtype=torch.long, device=device)
     logits = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=keep,
                    **{cache_kwarg: cache}).logits
+    if logits.shape[1] != keep.numel():  # a model that ignores logits_to_keep (xLSTM): every position's
+        logits = logits.index_select(1, keep)
     states, previous = cache.read_states()
     slots.scatter(seq_ids, states, previous)
     return logits

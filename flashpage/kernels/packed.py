@@ -57,16 +57,17 @@ def _current() -> PackedAttention:
 @torch.library.custom_op("flashpage::attend_packed", mutates_args=())
 def attend_packed_op(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, softmax_scale: float,
                      causal: bool, window_left: int, window_right: int, softcap: float,
-                     s_aux: torch.Tensor | None, alibi_slopes: torch.Tensor | None) -> torch.Tensor:
+                     s_aux: torch.Tensor | None, alibi_slopes: torch.Tensor | None, chunk: int) -> torch.Tensor:
     """Attention of a packed step's queries q (Tp, H, D), Tp >= T, on the pages (NB, P, Hk, D|Dv)
     through the current step (:func:`current_step`); ``softmax_scale`` < 0 means ``D ** -0.5``;
-    ``s_aux`` (H,) sink logits, ``alibi_slopes`` (H,) ALiBi slopes, or None (:class:`LayerOptions`).
+    ``s_aux`` (H,) sink logits, ``alibi_slopes`` (H,) ALiBi slopes, or None; ``chunk`` chunked attention's
+    size, 0 = off (:class:`LayerOptions`).
 
     Returns (Tp, H, Dv): the first T rows as the step's eager attention computes them, zeros after."""
     step = _current()
     t = int(step.input_slots.shape[0])
     opts = LayerOptions(None if softmax_scale < 0 else softmax_scale, causal, (window_left, window_right), softcap,
-                        alibi_slopes)
+                        alibi_slopes, chunk)
     query = q[:t].transpose(0, 1).unsqueeze(0)  # (1, H, T, D)
     out = step.attend(query, k_pages, v_pages, opts, s_aux).reshape(t, q.shape[1], v_pages.shape[-1])
     if t == q.shape[0]:
@@ -78,7 +79,7 @@ def attend_packed_op(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
 
 @attend_packed_op.register_fake
 def _attend_packed_fake(q, k_pages, v_pages, softmax_scale, causal, window_left, window_right, softcap,
-                        s_aux, alibi_slopes) -> torch.Tensor:
+                        s_aux, alibi_slopes, chunk) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[1], v_pages.shape[-1]))
 
 
@@ -87,5 +88,5 @@ def attend_packed(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
     """:func:`attend_packed_op` with the layer's options. q (Tp, H, D) -> (Tp, H, Dv)."""
     scale = -1.0 if opts.softmax_scale is None else float(opts.softmax_scale)
     return attend_packed_op(q, k_pages, v_pages, scale, opts.causal, opts.window_size[0], opts.window_size[1],
-                            float(opts.softcap), s_aux, opts.alibi_slopes)
+                            float(opts.softcap), s_aux, opts.alibi_slopes, int(opts.chunk))
 

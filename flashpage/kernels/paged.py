@@ -36,6 +36,9 @@ class LayerOptions:
         alibi_slopes: (H,) float32 ALiBi slopes or None: flash-attn's bias
             ``-slope * |i + Sk - Sq - j|`` is added to the scaled score of query row i and key j
             (runs on the PyTorch kernels; not part of equality or hashing).
+        chunk: chunked attention (Llama 4's local layers), 0 = off: key j is visible to the query at
+            position p (= i + Sk - Sq) iff ``j // chunk == p // chunk`` (and causal). flash-attn has no
+            such mode: these layers always run on the PyTorch mask path (:func:`attend_static`).
     """
 
     softmax_scale: float | None = None
@@ -43,6 +46,7 @@ class LayerOptions:
     window_size: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = field(default=None, compare=False)
+    chunk: int = 0
 
 
 def store(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -74,8 +78,9 @@ def store(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def visible_keys(seqlens_k: torch.Tensor, seqlen_q: int, width: int, causal: bool,
-             window_size: tuple[int, int]) -> torch.Tensor:
-    """(B, 1, Sq, width) bool: key j visible to query row i of sequence b (flash-attn section 3)."""
+                 window_size: tuple[int, int], chunk: int = 0) -> torch.Tensor:
+    """(B, 1, Sq, width) bool: key j visible to query row i of sequence b (flash-attn section 3; with
+    ``chunk`` > 0 also only keys of the query's chunk: ``j >= p - p % chunk`` for p = i + Sk - Sq)."""
     dev = seqlens_k.device
     sk = seqlens_k.to(torch.int64).view(-1, 1, 1)
     pos = torch.arange(width, device=dev).view(1, 1, width)
@@ -88,6 +93,8 @@ def visible_keys(seqlens_k: torch.Tensor, seqlen_q: int, width: int, causal: boo
         visible = visible & (pos <= diag + right)
     if left >= 0:
         visible = visible & (pos >= diag - left)
+    if chunk > 0:
+        visible = visible & (pos >= diag - diag.remainder(chunk))
     return visible.unsqueeze(1)
 
 
@@ -109,8 +116,8 @@ def attend_static(qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     only on the inputs' shapes, never on their values.
     """
     b, heads, sq, d = qh.shape
-    if (qh.device.type == "cpu" and opts.alibi_slopes is None and not torch.compiler.is_compiling()
-            and cpu_attention.eligible(qh, k_pages, v_pages)):
+    if (qh.device.type == "cpu" and opts.alibi_slopes is None and not opts.chunk and not torch.compiler.is_compiling()
+            and cpu_attention.eligible(qh, k_pages, v_pages)):  # chunked attention: the mask below
         out = _attend_cpu(qh, k_pages, v_pages, block_table, seqlens_k, opts, s_aux)
         if out is not None:
             return out
@@ -119,12 +126,12 @@ def attend_static(qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     ids = block_table.reshape(-1)
     k = k_pages.index_select(0, ids).view(b, width, kv_heads, d).transpose(1, 2)  # (B, Hk, W, D)
     v = v_pages.index_select(0, ids).view(b, width, kv_heads, v_pages.shape[-1]).transpose(1, 2)
-    if all_keys is not None and opts.softcap == 0 and s_aux is None and opts.alibi_slopes is None:
+    if all_keys is not None and opts.softcap == 0 and s_aux is None and opts.alibi_slopes is None and not opts.chunk:
         scale = d**-0.5 if opts.softmax_scale is None else float(opts.softmax_scale)
         return F.scaled_dot_product_attention(qh, k[:, :, :all_keys], v[:, :, :all_keys], scale=scale,
                                               enable_gqa=heads != kv_heads).to(qh.dtype)
     if visible is None:
-        visible = visible_keys(seqlens_k, sq, width, opts.causal and sq > 1, opts.window_size)
+        visible = visible_keys(seqlens_k, sq, width, opts.causal and sq > 1, opts.window_size, opts.chunk)
     scale = d**-0.5 if opts.softmax_scale is None else float(opts.softmax_scale)
     bias = None if opts.alibi_slopes is None else alibi_bias(opts.alibi_slopes, seqlens_k, sq, width)
     if opts.softcap == 0 and s_aux is None:

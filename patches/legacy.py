@@ -103,6 +103,9 @@ def _adapted(module: torch.nn.Module, original: Callable[..., Any], spec: Legacy
             return original(*args, **kwargs)
         logical = cache.has_holes and (spec.slopes is not None or spec.window(module) is not None)
         if arguments.get("output_attentions") or logical:
+            if not cache.owns_plan:  # the engine's dense view is its packed step layout, not the module's own
+                raise RuntimeError(f"flashpage.LLM cannot run {type(module).__name__}'s own attention (attention "
+                                   "weights, or padding inside a row under ALiBi / a window) on its packed steps")
             with _dense_view(cache):
                 return original(*args, **kwargs)
         return paged_forward(module, cache, spec, arguments)

@@ -88,3 +88,17 @@ def test_serve_binding_is_reported(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     assert f"bound to cores {ct.usable_cores()[0]}" in capsys.readouterr().err
     with pytest.raises(ValueError, match="tensor parallelism"):
         cli._bind_serve_threads("0", ranks=2)
+
+
+@pytest.mark.parametrize(("vllm_env", "expected"), [(None, "0"), ("nobind", "none"), ("auto", "auto"), ("0-1", "0-1")])
+def test_bench_binds_flashpage_as_vllm_is_told(monkeypatch: pytest.MonkeyPatch, vllm_env: str | None,
+                                               expected: str) -> None:
+    from flashpage.bench.vs_vllm import flashpage_bind_spec
+
+    if vllm_env is None:
+        monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", vllm_env)
+    assert flashpage_bind_spec(1) == expected
+    if expected not in ("auto", "none"):
+        ct.parse_cores(expected)  # flashpage's side accepts what vLLM is given

@@ -128,6 +128,13 @@ def cpu_bind_spec(threads: int) -> str:
     return os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or ("0" if threads == 1 else f"0-{threads - 1}")
 
 
+def flashpage_bind_spec(threads: int) -> str:
+    """:func:`cpu_bind_spec` in flashpage's terms (``--cpu-bind``): vLLM's ``nobind`` is ``none``,
+    its ``auto`` flashpage's ``auto``; a core list is the same list."""
+    spec = cpu_bind_spec(threads)
+    return {"nobind": "none", "all": "none"}.get(spec.strip().lower(), spec)
+
+
 def run_vllm(python: str, spec: dict[str, Any], workdir: Path, timeout: float = 1800.0) -> dict[str, Any]:
     """One vLLM measurement in its own interpreter (see vllm_runner.py); VLLMRunError with its log tail."""
     spec_path, out_path, log_path = workdir / "spec.json", workdir / "out.json", workdir / "vllm.log"
@@ -199,7 +206,7 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
             torch.set_num_threads(settings.threads)
             for r in range(rounds):
                 _log(f"round {r + 1}/{rounds}: flashpage.LLM")
-                with bound_cpu_threads(cpu_bind_spec(settings.threads)) as binding:  # vLLM's cores, its runs only
+                with bound_cpu_threads(flashpage_bind_spec(settings.threads)) as binding:  # vLLM's cores, its runs only
                     fp = run_flashpage(bm.model, work, num_blocks, bm.vocab_size, seed, settings.max_num_seqs,
                                        settings.block_size, settings.max_num_batched_tokens, compile=compile)
                     fp_binding = binding.describe()

@@ -33,7 +33,7 @@ from typing import Any
 
 from flashpage.bench import serve as serve_bench
 from flashpage.bench.models import load_average
-from flashpage.bench.vs_vllm import Settings, _vllm_env, check_vllm_python, cpu_bind_spec
+from flashpage.bench.vs_vllm import Settings, _vllm_env, check_vllm_python, flashpage_bind_spec
 
 SERVED_NAME = "bench-model"
 FLOAT32_BYTES = 4  # both servers run float32
@@ -82,7 +82,8 @@ def flashpage_cmd(model_dir: str, port: int, settings: Settings, kv_bytes: int, 
             "--host", "127.0.0.1", "--log-level", "warning", "--served-model-name", SERVED_NAME,
             "--block-size", str(settings.block_size), "--max-num-seqs", str(settings.max_num_seqs),
             "--max-num-batched-tokens", str(settings.max_num_batched_tokens), "--kv-cache-memory", str(kv_bytes),
-            "--max-model-len", str(max_len), "--dtype", settings.dtype, "--cpu-bind", cpu_bind_spec(settings.threads)]
+            "--max-model-len", str(max_len), "--dtype", settings.dtype,
+            "--cpu-bind", flashpage_bind_spec(settings.threads)]
 
 
 def vllm_cmd(python: str, model_dir: str, port: int, settings: Settings, kv_bytes: int, max_len: int) -> list[str]:

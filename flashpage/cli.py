@@ -69,7 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
     size = args.tensor_parallel_size
     if size < 1:
         raise ValueError(f"--tensor-parallel-size {size}: give the number of ranks (>= 1)")
-    _bind_serve_threads(args.cpu_bind, size)
+    options.cpu_bind = _serve_cpu_bind(args.cpu_bind, size)
     if size > 1:
         from flashpage.serve import tp
 
@@ -79,18 +79,18 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(options)
 
 
-def _bind_serve_threads(spec: str | None, ranks: int) -> None:
-    """``--cpu-bind``: the server owns its process, so it binds its threads as vLLM does (see
-    flashpage/cpu_threads.py); ranks of a tensor-parallel server share the cores and stay unbound."""
-    from flashpage.cpu_threads import ENV, bind_cpu_threads, choose_cores
+def _serve_cpu_bind(spec: str | None, ranks: int) -> str:
+    """``--cpu-bind``, checked before anything loads: the server owns its process, so it binds its
+    threads as vLLM does (see flashpage/cpu_threads.py; applied once the engine is built); ranks of a
+    tensor-parallel server share the cores and stay unbound."""
+    from flashpage.cpu_threads import ENV, choose_cores
 
     spec = spec or os.environ.get(ENV) or ("none" if ranks > 1 else "auto")
     if ranks > 1 and spec != "none":
         raise ValueError(f"--cpu-bind {spec} with --tensor-parallel-size {ranks}: the ranks would share the cores; "
                          "leave --cpu-bind unset (or 'none') under tensor parallelism")
-    choose_cores(spec)  # a bad core list is refused before the model loads
-    binding = bind_cpu_threads(spec)
-    print(f"flashpage serve: CPU {binding.describe()}", file=sys.stderr)
+    choose_cores(spec)  # a bad core list is refused here
+    return spec
 
 
 def _add_serve(sub: Any) -> None:

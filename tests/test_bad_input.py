@@ -536,7 +536,7 @@ class EngineEnv:
                        check_invariants=True)
         self.ref = hf_greedy(self.model, PROMPT, MAX_NEW)
         self._text_llm: LLM | None = None
-        self._falcon: tuple[torch.nn.Module, torch.Tensor] | None = None
+        self._unsupported: tuple[torch.nn.Module, torch.Tensor] | None = None
         self.concurrent: dict[str, Any] = {}
 
     @property
@@ -546,16 +546,19 @@ class EngineEnv:
         return self._text_llm
 
     @property
-    def falcon(self) -> tuple[torch.nn.Module, torch.Tensor]:
-        """A model LLM does not support (Falcon bypasses the attention interface) and its own output."""
-        if self._falcon is None:
-            model = tiny_model("falcon")
-            self._falcon = model, self.falcon_generate(model)
-        return self._falcon
+    def unsupported(self) -> tuple[torch.nn.Module, torch.Tensor]:
+        """A model LLM does not support (Doge edits its attention mask itself) and its own output."""
+        if self._unsupported is None:
+            from sweep_models import build_model
+
+            model = build_model("doge")
+            self._unsupported = model, self.unsupported_generate(model)
+        return self._unsupported
 
     @staticmethod
-    def falcon_generate(model: torch.nn.Module) -> torch.Tensor:
+    def unsupported_generate(model: torch.nn.Module) -> torch.Tensor:
         ids, mask = left_padded_batch([4, 6], seed=1)
+        ids = ids % model.config.vocab_size  # the sweep's configs have a smaller vocabulary
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
 
     def assert_exact(self, out: Any) -> None:
@@ -619,10 +622,10 @@ def _first_call_was_exact(env: EngineEnv) -> None:
 
 
 def _llm_left_model_unpatched(env: EngineEnv) -> None:
-    falcon, ref = env.falcon
-    assert not flashpage.is_patched(falcon), "the failed LLM() left the model patched"
-    assert not [n for n, m in falcon.named_modules() if "_flashpage_state" in vars(m)]
-    assert torch.equal(env.falcon_generate(falcon), ref)
+    model, ref = env.unsupported
+    assert not flashpage.is_patched(model), "the failed LLM() left the model patched"
+    assert not [n for n, m in model.named_modules() if "_flashpage_state" in vars(m)]
+    assert torch.equal(env.unsupported_generate(model), ref)
 
 
 NAN, INF = math.nan, math.inf
@@ -693,9 +696,9 @@ ENGINE_CASES = [
     Case("engine-stream-during-generate", RuntimeError, r"LLM\.stream\(\) is already running",
          _concurrently(lambda llm: next(iter(llm.stream([PROMPT], GREEDY)))), after=_first_call_was_exact),
     # construction
-    Case("engine-llm-on-unsupported-model", TypeError, r"flashpage\.LLM cannot run FalconForCausalLM \(model_type="
-         r"'falcon'\) exactly: .*flashpage\.patch\(model\) with model\.generate\(\)",
-         lambda env: LLM(env.falcon[0], num_blocks=8),
+    Case("engine-llm-on-unsupported-model", TypeError, r"flashpage\.LLM cannot run DogeForCausalLM \(model_type="
+         r"'doge'\) exactly: .*edit the attention mask.*flashpage\.patch\(model\) with model\.generate\(\)",
+         lambda env: LLM(env.unsupported[0], num_blocks=8),
          after=_llm_left_model_unpatched),
     Case("engine-llm-zero-blocks", ValueError, r"num_blocks must be a positive int, got 0",
          lambda env: LLM(env.model, num_blocks=0)),

@@ -73,21 +73,47 @@ def test_serve_refuses_a_bad_core_list_before_loading() -> None:
     assert "CPU cores '0-x'" in proc.stderr and "'0-3,6'" in proc.stderr
 
 
-@linux_only
-def test_serve_binding_is_reported(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_cpu_bind_is_checked_before_loading() -> None:
     from flashpage import cli
 
-    undo: list[ct.CpuBinding] = []
-    real = ct.bind_cpu_threads
-    monkeypatch.setattr(ct, "bind_cpu_threads", lambda spec: undo.append(real(spec)) or undo[-1])
-    try:
-        cli._bind_serve_threads(str(ct.usable_cores()[0]), ranks=1)
-    finally:
-        for b in undo:
-            b.undo()
-    assert f"bound to cores {ct.usable_cores()[0]}" in capsys.readouterr().err
+    assert cli._serve_cpu_bind(None, ranks=1) in ("auto", __import__("os").environ.get(ct.ENV))
+    assert cli._serve_cpu_bind(None, ranks=2) == "none"
     with pytest.raises(ValueError, match="tensor parallelism"):
-        cli._bind_serve_threads("0", ranks=2)
+        cli._serve_cpu_bind("0", ranks=2)
+    with pytest.raises(ValueError, match="CPU cores"):
+        cli._serve_cpu_bind("0-x", ranks=1)
+
+
+@linux_only
+def test_serve_binds_after_the_engine_and_reports_it() -> None:
+    """A real `flashpage serve --cpu-bind CORE` on the built-in model prints the binding once its
+    engine is built, then serves; the process's threads are on that core."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    core = ct.usable_cores()[-1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "flashpage.cli", "serve", "--port", str(port), "--cpu-bind",
+                             str(core), "--log-level", "warning"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise AssertionError("flashpage serve did not start")
+        assert os.sched_getaffinity(proc.pid) == {core}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert f"flashpage serve: CPU 1 thread(s) bound to cores {core} (as asked)" in err
 
 
 @pytest.mark.parametrize(("vllm_env", "expected"), [(None, "0"), ("nobind", "none"), ("auto", "auto"), ("0-1", "0-1")])

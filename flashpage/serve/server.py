@@ -40,6 +40,7 @@ class ServeOptions:
     drain_timeout: float = 30.0
     chat_template: str | None = None
     log_level: str = "info"
+    cpu_bind: str = "none"  # --cpu-bind (flashpage/cpu_threads.py), applied once the engine is built
     engine: dict[str, Any] = field(default_factory=dict)
 
 
@@ -128,6 +129,10 @@ def run_server(options: ServeOptions, engine: AsyncLLM | None = None) -> int:
 
     template = read_chat_template(options.chat_template)
     engine = engine if engine is not None else build_engine(options)
+    if options.cpu_bind != "none":  # after the model loaded: bad arguments fail first, loading threads are bound too
+        from flashpage.cpu_threads import bind_cpu_threads
+
+        print(f"flashpage serve: CPU {bind_cpu_threads(options.cpu_bind).describe()}", file=sys.stderr)
     name = options.served_model_name or options.model or TINY_MODEL_NAME
     limits = {"max_request_bytes": options.max_request_bytes} if options.max_request_bytes is not None else {}
     app = build_app(engine, name, chat_template=template, close_on_shutdown=False, **limits)

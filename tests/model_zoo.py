@@ -77,14 +77,14 @@ def _scale_up(model: torch.nn.Module) -> None:
                 p.mul_(4.0)
 
 
-def left_padded_batch(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random prompts of the given lengths, left-padded: (input_ids, attention_mask)."""
+def left_padded_batch(lengths: list[int], seed: int = 0, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of the given lengths from ids 3..vocab-1, left-padded: (input_ids, attention_mask)."""
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)
     ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
     mask = torch.zeros((len(lengths), width), dtype=torch.long)
     for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+        ids[i, width - n:] = torch.randint(3, vocab, (n,), generator=g)
         mask[i, width - n:] = 1
     return ids, mask
 

@@ -557,8 +557,7 @@ class EngineEnv:
 
     @staticmethod
     def unsupported_generate(model: torch.nn.Module) -> torch.Tensor:
-        ids, mask = left_padded_batch([4, 6], seed=1)
-        ids = ids % model.config.vocab_size  # the sweep's configs have a smaller vocabulary
+        ids, mask = left_padded_batch([4, 6], seed=1, vocab=model.config.vocab_size)  # the sweep's smaller vocabulary
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
 
     def assert_exact(self, out: Any) -> None:

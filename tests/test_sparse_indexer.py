@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from sweep_configs import PAD, VOCAB
+from model_zoo import left_padded_batch
+from sweep_configs import VOCAB
 from sweep_models import build_model
 
 import flashpage
@@ -82,16 +83,9 @@ def test_extra_pages_refuse_another_shape() -> None:
 
 
 # ----------------------------------------------------------------------------- DeepSeek-V3.2 DSA
-def left_padded_batch(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random prompts in the sweep models' vocabulary, left-padded: (input_ids, attention_mask)."""
-    g = torch.Generator().manual_seed(0)
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
-    mask = torch.zeros((len(lengths), width), dtype=torch.long)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
-        mask[i, width - n:] = 1
-    return ids, mask
+def sweep_batch(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random left-padded prompts in the sweep models' vocabulary: (input_ids, attention_mask)."""
+    return left_padded_batch(lengths, vocab=VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +116,7 @@ def _both(model: torch.nn.Module, run: Any) -> tuple[Any, Any, list[HFPagedCache
 
 
 def test_dsa_greedy_left_padded_equals_unpatched(dsa: torch.nn.Module) -> None:
-    ids, mask = left_padded_batch(PROMPTS)
+    ids, mask = sweep_batch(PROMPTS)
     ref, got, caches = _both(dsa, lambda: dsa.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW,
                                                        do_sample=False, output_scores=True,
                                                        return_dict_in_generate=True))
@@ -140,7 +134,7 @@ def test_dsa_greedy_left_padded_equals_unpatched(dsa: torch.nn.Module) -> None:
 
 
 def test_dsa_beam_search_reorders_indexer_keys(dsa: torch.nn.Module) -> None:
-    ids, mask = left_padded_batch(PROMPTS)
+    ids, mask = sweep_batch(PROMPTS)
     ref, got, caches = _both(dsa, lambda: dsa.generate(ids, attention_mask=mask, max_new_tokens=6, num_beams=3,
                                                        do_sample=False))
     assert caches and torch.equal(ref, got)
@@ -148,7 +142,7 @@ def test_dsa_beam_search_reorders_indexer_keys(dsa: torch.nn.Module) -> None:
 
 def test_dsa_forward_without_cache_keeps_the_selection(dsa: torch.nn.Module) -> None:
     """use_cache=False: the unpatched attention gets the indexer's selection merged into its mask."""
-    ids, mask = left_padded_batch(PROMPTS)
+    ids, mask = sweep_batch(PROMPTS)
     with torch.no_grad():
         ref = dsa(ids, attention_mask=mask, use_cache=False).logits
         flashpage.patch(dsa)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import warnings
 from functools import cache
+from typing import Any
 
 import pytest
 import torch
@@ -184,6 +185,21 @@ def test_unapplied_generation_config_fields_are_named() -> None:
         flashpage.LLM(model, generation_config="nope")
 
 
+def _tiny_pool_forks(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[flashpage.LLM, list, Any]:
+    """Greedy n=2 samples of ``prompts`` through an LLM with a pool small enough to chunk prompts and
+    preempt (8 blocks of 4, 8 batched tokens, invariants checked); the model is unpatched afterwards.
+    Returns (llm, outputs, stats)."""
+    with torch_threads(1):
+        llm = flashpage.LLM(model, num_blocks=8, block_size=4, max_model_len=32, max_num_batched_tokens=8,
+                            check_invariants=True)
+        try:
+            outs = llm.generate(prompts, SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0, logprobs=0),
+                                use_tqdm=False)
+            return llm, outs, llm.stats()
+        finally:
+            unpatch(model)
+
+
 def test_own_rnn_state_cache_is_stood_in_for() -> None:
     """xLSTM keeps its recurrent states in its own cache class (``rnn_state`` per layer) and ignores
     ``logits_to_keep``: the engine's cache holds those states (from the state slots, zeros for new
@@ -192,15 +208,7 @@ def test_own_rnn_state_cache_is_stood_in_for() -> None:
                                   num_heads=4, chunk_size=16, qk_dim_factor=1.0, pad_token_id=0, eos_token_id=1)
     model = model_from_config("xlstm", config)
     refs = [_reference(model, p) for p in PROMPTS]
-    with torch_threads(1):
-        llm = flashpage.LLM(model, num_blocks=8, block_size=4, max_model_len=32, max_num_batched_tokens=8,
-                            check_invariants=True)
-        try:
-            outs = llm.generate(PROMPTS, SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0, logprobs=0),
-                                use_tqdm=False)
-            stats = llm.stats()
-        finally:
-            unpatch(model)
+    llm, outs, stats = _tiny_pool_forks(model, PROMPTS)
     assert stats.preemptions > 0 and stats.kv_bytes_per_token == 0 and stats.state_bytes_per_seq > 0
     assert any(key[0] == "rnn" for key in llm._states.pools)
     _assert_samples_match(refs, outs)
@@ -217,15 +225,7 @@ def test_module_held_recurrent_state_is_kept_per_sequence() -> None:
                                   pad_token_id=0, eos_token_id=1)
     model = model_from_config("recurrent_gemma", config)
     refs = [_reference(model, p) for p in PROMPTS]
-    with torch_threads(1):
-        llm = flashpage.LLM(model, num_blocks=8, block_size=4, max_model_len=32, max_num_batched_tokens=8,
-                            check_invariants=True)
-        try:
-            outs = llm.generate(PROMPTS, SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0, logprobs=0),
-                                use_tqdm=False)
-            stats = llm.stats()
-        finally:
-            unpatch(model)
+    llm, outs, stats = _tiny_pool_forks(model, PROMPTS)
     assert llm._token_by_token and stats.preemptions > 0 and stats.state_bytes_per_seq > 0
     _assert_samples_match(refs, outs)
 
@@ -239,15 +239,7 @@ def test_own_linear_state_cache_is_stood_in_for() -> None:
     model = sm.build_model("minimax")
     prompts = [[3 + t % 90 for t in p] for p in PROMPTS]
     refs = [_reference(model, p) for p in prompts]
-    with torch_threads(1):
-        llm = flashpage.LLM(model, num_blocks=8, block_size=4, max_model_len=32, max_num_batched_tokens=8,
-                            check_invariants=True)
-        try:
-            outs = llm.generate(prompts, SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0, logprobs=0),
-                                use_tqdm=False)
-            stats = llm.stats()
-        finally:
-            unpatch(model)
+    llm, outs, stats = _tiny_pool_forks(model, prompts)
     assert type(llm._cache).__name__ == "PagedMiniMaxCache" and stats.preemptions > 0
     assert any(key[0] == "linear" for key in llm._states.pools) and stats.kv_bytes_per_token > 0
     _assert_samples_match(refs, outs)

@@ -31,6 +31,16 @@ def quiet() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
+def models() -> Iterator[dict[str, torch.nn.Module]]:
+    """A module's models, built on first use by its tests (name -> model) and unpatched at the module's
+    end. Files that build a fixed set up front define their own ``models``."""
+    built: dict[str, torch.nn.Module] = {}
+    yield built
+    for m in built.values():
+        unpatch(m)
+
+
+@pytest.fixture(scope="module")
 def model() -> Iterator[torch.nn.Module]:
     """The engine tests' tiny llama (a module's tests share it; unpatched at the end)."""
     m = engine_model()

@@ -15,7 +15,6 @@ pool, forked samples; and the two key layouts of ``step_kv`` on their own. The M
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,7 +22,6 @@ import sweep_models as sm
 import torch
 from engine_helpers import hf_greedy
 
-import flashpage
 from flashpage import LLM, SamplingParams
 from flashpage.cache import PagedKVCache
 from flashpage.patches import HFPagedCache
@@ -35,14 +33,6 @@ pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
 MAX_NEW = 8
 TOL = 1e-4
 TYPES = ["deepseek_v3", "glm4_moe_lite", "minicpm3", "diffllama", "jetmoe"]
-
-
-@pytest.fixture(scope="module")
-def models() -> Iterator[dict[str, torch.nn.Module]]:
-    built: dict[str, torch.nn.Module] = {}
-    yield built
-    for m in built.values():
-        flashpage.unpatch(m)
 
 
 def _model(models: dict[str, torch.nn.Module], model_type: str) -> torch.nn.Module:

@@ -14,7 +14,6 @@ read back right-padded, attention varlen over the real keys (test_dense_view_llm
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,14 +30,6 @@ pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
 MAX_NEW = 8
 TOL = 1e-4
 ENGINE_TYPES = [t for t in HYBRIDS if t not in PURE_SSM]
-
-
-@pytest.fixture(scope="module")
-def models() -> Iterator[dict[str, torch.nn.Module]]:
-    built: dict[str, torch.nn.Module] = {}
-    yield built
-    for m in built.values():
-        flashpage.unpatch(m)
 
 
 def _model(models: dict[str, torch.nn.Module], model_type: str) -> torch.nn.Module:

@@ -22,7 +22,6 @@ The ALiBi option of the layer kernels is checked against the reference flash-att
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -85,14 +84,6 @@ def build(variant: str, seed: int = 0, **extra: Any) -> torch.nn.Module:
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     return model.eval()
-
-
-@pytest.fixture(scope="module")
-def models() -> Iterator[dict[str, torch.nn.Module]]:
-    built: dict[str, torch.nn.Module] = {}
-    yield built
-    for m in built.values():
-        flashpage.unpatch(m)
 
 
 def _model(models: dict[str, torch.nn.Module], variant: str) -> torch.nn.Module:

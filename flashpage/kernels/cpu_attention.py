@@ -422,7 +422,8 @@ inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
   const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  const __m512 hi = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, in two parts
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), hi);
   __m512 y = _mm512_set1_ps(1.9875691500e-4f);
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));

@@ -6,7 +6,8 @@ attention sinks, D != Dv (with and without a partial last vector, and D past the
 128), float32 and float64; both the portable path (per-key loop for few rows, per-page GEMMs for
 prefill tiles) and the float32 AVX-512 path where the CPU has it (``generic=False``). Then the
 layer entry points that take it (``attend_static``, ``layer_varlen``), the reference fallback
-(forced by the environment variable, or no compiler), and what ``flashpage info`` reports. The first test in a fresh environment builds the kernel once.
+(forced by the environment variable, or no compiler), and what ``flashpage info`` reports. The
+first test in a fresh environment builds the kernel once.
 """
 
 from __future__ import annotations

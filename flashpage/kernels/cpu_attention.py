@@ -570,9 +570,14 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
   auto cu = cu_seqlens_q.to(at::kLong).contiguous();
   const int64_t batch = table.size(0);
   TORCH_CHECK(lens.numel() == batch && cu.numel() == batch + 1, "paged_attention: batch mismatch");
+  const int64_t* cu_rows = cu.data_ptr<int64_t>();
+  TORCH_CHECK(cu_rows[0] >= 0 && cu_rows[batch] <= q.size(0), "paged_attention: cu_seqlens_q (", cu_rows[0], " .. ",
+              cu_rows[batch], ") does not fit q's ", q.size(0), " rows");
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(cu_rows[b] <= cu_rows[b + 1], "paged_attention: cu_seqlens_q must not decrease");
   auto out = at::empty({q.size(0), q.size(1), v_pages.size(3)}, q.options());
   auto lse = at::empty({q.size(0), q.size(1)}, q.options());
-  if (cu[batch].item<int64_t>() != q.size(0) || cu[0].item<int64_t>() != 0) {  // rows no sequence owns: 0, +inf
+  if (cu_rows[batch] != q.size(0) || cu_rows[0] != 0) {  // rows no sequence owns: 0, +inf
     out.zero_();
     lse.fill_(std::numeric_limits<double>::infinity());
   }

@@ -176,7 +176,8 @@ def _tensor_key(t: torch.Tensor | None) -> tuple:
 def _packable(module: torch.nn.Linear) -> bool:
     w = module.weight
     b = module.bias
-    return (isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
+    plain = type(w) in (torch.Tensor, torch.nn.Parameter)  # not a DTensor (tensor parallel) or other subclass
+    return (plain and w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
             and (b is None or (b.dtype == torch.float32 and b.device.type == "cpu" and b.dim() == 1)))
 
 

@@ -24,6 +24,7 @@ from flashpage.cache import KVGroup, PagedKVCache, default_block_size
 from flashpage.engine import prompt_logprobs
 from flashpage.engine.compiled import CompiledDecode, CompiledStep, default_compile
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
+from flashpage.engine.fastpath import fastpath_scope, install_fastpath
 from flashpage.engine.generation_config import ModelProcessors, config_diff, sampling_defaults, unapplied_fields
 from flashpage.engine.generation_config import check_mode as check_generation_mode
 from flashpage.engine.limits import context_overflow
@@ -247,6 +248,8 @@ class LLM:
         self._onednn = self.device.type == "cpu" and install_onednn_linears(self.model) > 0
         # ... with their weights packed (and siblings fused) once, as vLLM's CPU backend does (engine/linears.py)
         self._prepack = Prepacked(self.model, cpu_prepack) if self._onednn else None
+        # fused norms / rotary / gated-MLP activations inside the engine's eager forwards (engine/fastpath.py)
+        self.fastpath = install_fastpath(self.model)
         # CPU: every step kind through one compiled packed forward; CUDA: decode steps as CUDA graphs
         self._compiled_step = CompiledStep(self.model, self._cache, self._cache_kwarg, max_num_batched_tokens,
                                            self.device, onednn=self._onednn) \
@@ -619,7 +622,7 @@ class LLM:
                 position_ids = torch.tensor([pos], device=self.device)
                 keep_rows = torch.tensor(keep, dtype=torch.long, device=self.device)
                 with torch.inference_mode(), self._positions_for(position_ids), \
-                        onednn_scope(self._onednn, self._prepack):
+                        onednn_scope(self._onednn, self._prepack), fastpath_scope(self.fastpath.any):
                     logits = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=position_ids,
                                         use_cache=True, logits_to_keep=keep_rows,
                                         **{self._cache_kwarg: self._cache}).logits[0]

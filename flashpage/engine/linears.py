@@ -122,12 +122,27 @@ def onednn_scope(enabled: bool = True, packs: Prepacked | None = None) -> Iterat
 # when the weights change). A compiled engine step therefore calls oneDNN through this opaque op,
 # which reads the current weights on every call.
 _COMPILED_ONEDNN = False  # a plain global: dynamo guards on its value (thread-locals break the graph)
+# weight data_ptr -> (that weight, its packed copy): read by the op when it runs, never traced (no guard),
+# so a repack changes what the next step uses without a recompile
+_COMPILED_PACKS: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @torch.library.custom_op("flashpage::onednn_linear", mutates_args=())
 def onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., in) @ weight (out, in)^T + bias (out,) through oneDNN: (..., out)."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    """x (..., in) @ weight (out, in)^T + bias (out,) through oneDNN: (..., out); with the weight's packed
+    copy when the engine's :class:`Prepacked` has one (see :func:`compiled_scope`)."""
+    packed = _compiled_pack(weight)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight if packed is None else packed, bias, "none",
+                                              [], "")
+
+
+def _compiled_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    table = _COMPILED_PACKS
+    hit = table.get(weight.data_ptr()) if table else None
+    if hit is None or hit[0].shape != weight.shape or hit[0].stride() != weight.stride() \
+            or hit[0].dtype != weight.dtype:
+        return None
+    return hit[1]
 
 
 @onednn_linear_op.register_fake
@@ -141,15 +156,17 @@ def compiled_onednn() -> bool:
 
 
 @contextlib.contextmanager
-def compiled_scope(enabled: bool = True) -> Iterator[None]:
-    """Linears with the oneDNN forward trace to :func:`onednn_linear_op` inside this block (on this thread)."""
-    global _COMPILED_ONEDNN
-    previous = _COMPILED_ONEDNN
+def compiled_scope(enabled: bool = True, packs: Prepacked | None = None) -> Iterator[None]:
+    """Linears with the oneDNN forward trace to :func:`onednn_linear_op` inside this block (on this thread);
+    with ``packs``, the op runs on their packed weights (one per linear: no fused siblings in a graph)."""
+    global _COMPILED_ONEDNN, _COMPILED_PACKS
+    previous = _COMPILED_ONEDNN, _COMPILED_PACKS
     _COMPILED_ONEDNN = enabled
+    _COMPILED_PACKS = packs.compiled_table() if enabled and packs is not None else None
     try:
         yield
     finally:
-        _COMPILED_ONEDNN = previous
+        _COMPILED_ONEDNN, _COMPILED_PACKS = previous
 
 
 # ------------------------------------------------------------------ packed and fused weights
@@ -358,6 +375,7 @@ class Prepacked:
     _probe: _Probe | None = field(default=None, repr=False)
     _pending: tuple[torch.Tensor, PackedGemm, list[torch.Tensor | None]] | None = field(default=None, repr=False)
     _steps_seen: int = -1
+    _table: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode is False:
@@ -408,7 +426,22 @@ class Prepacked:
         groups = sibling_groups(probe, _parents(self.model)) if fuse else []
         grouped = {id(m) for g in groups for m in g}
         singles = [[m] for m in probe.seen if id(m) not in grouped and _packable(m)]
-        gemms = [PackedGemm(tuple(g), tuple(m.weight.shape[0] for m in g)) for g in groups + singles]
+        self._use([PackedGemm(tuple(g), tuple(m.weight.shape[0] for m in g)) for g in groups + singles])
+
+    def compiled_table(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+        """For a compiled step: each linear's weight (by data_ptr) and its packed copy. A compiled engine
+        runs no probe step: every linear with the oneDNN forward is packed alone at its first call."""
+        if self.state == "probe":
+            self._use([PackedGemm((m,), (m.weight.shape[0],)) for m in self.model.modules()
+                       if _has_onednn_forward(m) and _packable(m)])
+        if self.state != "packed":
+            return None
+        if self._table is None:
+            self._table = {g.members[0].weight.data_ptr(): (g.members[0].weight, g.weight) for g in self.gemms
+                           if len(g.members) == 1 and g.weight is not None}
+        return self._table
+
+    def _use(self, gemms: list[PackedGemm]) -> None:
         wanted, self.reason = prepack_wanted(self.mode, sum(g.nbytes() for g in gemms))
         if not wanted:
             self.state = "off"
@@ -428,6 +461,7 @@ class Prepacked:
         steps = _optimizer_steps()
         everything = everything or steps != self._steps_seen
         self._steps_seen = steps
+        self._table = None
         repacked = 0
         for g in self.gemms:
             if everything or g.current_key() != g.key:
@@ -442,6 +476,11 @@ class Prepacked:
     def nbytes(self) -> int:
         """Bytes of the packed copies."""
         return sum(g.nbytes() for g in self.gemms if g.weight is not None)
+
+
+def _has_onednn_forward(module: torch.nn.Module) -> bool:
+    own = vars(module).get("forward")
+    return type(module) is torch.nn.Linear and getattr(own, "__func__", None) is _onednn_forward
 
 
 def _parents(model: torch.nn.Module) -> dict[int, torch.nn.Module]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashpage.kernels import dispatch, paged
+from flashpage.kernels import cpu_attention, dispatch, paged
 from flashpage.kernels.paged import LayerOptions
 
 
@@ -164,6 +164,9 @@ class DeviceStep:
         the plan's layout says). Returns (R, L, H, Dv) contiguous.
         """
         rows, heads, length, _ = query.shape
+        fast = self._cpu_attend(query, k_pages, v_pages, opts, s_aux)
+        if fast is not None:
+            return fast
         if self.plan.mode != "kvcache":
             flat = query.transpose(1, 2).reshape(rows * length, heads, -1)
             return self._varlen(flat, k_pages, v_pages, opts, s_aux).view(rows, length, heads, -1)
@@ -174,6 +177,41 @@ class DeviceStep:
             qh = query.reshape(heads, n, rows * length // n, -1).transpose(0, 1)
         out = self._kvcache(qh, k_pages, v_pages, opts, s_aux)  # (n, H, Sq, Dv)
         return out.transpose(1, 2).reshape(rows, length, heads, -1)
+
+    def _cpu_attend(self, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
+                    s_aux: torch.Tensor | None) -> torch.Tensor | None:
+        """The whole step in one call of the fused C++ CPU kernel (every sequence, whatever its query
+        length), or None where it does not apply (not CPU / its dtypes, ALiBi, chunks, padded layouts,
+        a trace, or the kernel unavailable). query (R, H, L, D) -> (R, L, H, Dv)."""
+        if (query.device.type != "cpu" or opts.alibi_slopes is not None or opts.chunk or self.token_index is not None
+                or self.pad_rows is not None or torch.compiler.is_compiling()
+                or not cpu_attention.eligible(query, k_pages, v_pages)):
+            return None
+        rows, heads, length, d = query.shape
+        table, seqlens, cu_q = self._cpu_metadata(rows, length)
+        scale = d**-0.5 if opts.softmax_scale is None else float(opts.softmax_scale)
+        res = cpu_attention.paged_attention(query.transpose(1, 2).reshape(rows * length, heads, d), k_pages, v_pages,
+                                            table, seqlens, cu_q, scale, float(opts.softcap),
+                                            cpu_attention.window_sides(opts.causal, opts.window_size), s_aux)
+        return None if res is None else res[0].view(rows, length, heads, -1)
+
+    def _cpu_metadata(self, rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block table, key lengths, query-row prefix sums) as the C++ kernel reads them (int64) for
+        queries of this shape, built on the first layer's call and shared by the others."""
+        key = ("cpu", rows, length)
+        meta = self._masks.get(key)
+        if meta is None:
+            tokens = rows * length
+            table = self.block_table[:, : self.read_blocks].to(torch.int64).contiguous()
+            seqlens = self.seqlens_k.to(torch.int64)
+            if self.plan.mode == "kvcache":  # n sequences of tokens / n queries each, back to back
+                n = self.block_table.shape[0]
+                cu_q = torch.arange(0, tokens + 1, tokens // max(n, 1), dtype=torch.int64)[: n + 1]
+            else:
+                cu_q = self.cu_seqlens_q.to(torch.int64)
+                seqlens = self.cu_seqlens_k.diff().to(torch.int64)
+            meta = self._masks[key] = (table, seqlens, cu_q)
+        return meta
 
     def _kvcache(self, qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
                  s_aux: torch.Tensor | None) -> torch.Tensor:

@@ -2,10 +2,12 @@
 
 Random ragged batches (empty query rows, sequences with no keys, Sq > Sk, block tables padded with
 -1 past the used pages, page sizes 1/16/128), GQA/MQA groups, causal, sliding windows, softcap,
-attention sinks, D != Dv, float32 and float64; both the per-key loop (few rows) and the per-page
-GEMM path (prefill tiles). Then the layer entry points that take it (``attend_static``,
-``layer_varlen``), the reference fallback (forced by the environment variable, or no compiler), and
-what ``flashpage info`` reports. The first test in a fresh environment builds the kernel once.
+attention sinks, D != Dv (with and without a partial last vector, and D past the vector path's
+128), float32 and float64; both the portable path (per-key loop for few rows, per-page GEMMs for
+prefill tiles) and the float32 AVX-512 path where the CPU has it (``generic=False``). Then the
+layer entry points that take it (``attend_static``, ``layer_varlen``), the reference fallback
+(forced by the environment variable, or no compiler), and what ``flashpage info`` reports. The
+first test in a fresh environment builds the kernel once.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def batches(draw) -> dict:
     batch = draw(st.integers(1, 5))
     seq_q = draw(st.lists(st.sampled_from([0, 1, 1, 1, 2, 7, 19, 40]), min_size=batch, max_size=batch))
     seq_k = draw(st.lists(st.integers(0, 300), min_size=batch, max_size=batch))
-    head_dim = draw(st.sampled_from([16, 64, 80]))
+    head_dim = draw(st.sampled_from([16, 64, 72, 80, 144]))
     return dict(
         seq_q=seq_q,
         seq_k=seq_k,
@@ -53,6 +55,7 @@ def batches(draw) -> dict:
         s_aux=draw(st.booleans()),
         extra_cols=draw(st.integers(0, 2)),
         seed=draw(st.integers(0, 2**16)),
+        generic=draw(st.booleans()),
     )
 
 
@@ -111,7 +114,7 @@ def test_kernel_matches_oracle(c: dict):
     sk = torch.tensor(c["seq_k"], dtype=torch.int32)
     window = cpu_attention.window_sides(c["causal"], c["window"])
     res = cpu_attention.paged_attention(t["q"], t["k_pages"], t["v_pages"], t["table"], sk, cu, scale, c["softcap"],
-                                        window, t["sinks"])
+                                        window, t["sinks"], generic=c["generic"])
     assert res is not None
     out, lse = res
     ref, ref_lse = _oracle(c, t, scale)

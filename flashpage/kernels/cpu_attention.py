@@ -31,7 +31,7 @@ import torch
 
 ENV = "FLASHPAGE_CPU_ATTENTION"  # "reference" forces the PyTorch path; anything else / unset: auto
 _DTYPES = (torch.float32, torch.float64)
-_VERSION = 3  # bump when the C++ source changes meaning (the source hash also rebuilds)
+_VERSION = 5  # bump when the C++ source changes meaning (the source hash also rebuilds)
 
 _SOURCE = r"""
 #include <ATen/Dispatch.h>
@@ -43,6 +43,10 @@ _SOURCE = r"""
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -71,6 +75,7 @@ struct Args {
 template <typename T>
 struct Work {  // per-thread scratch, reused across tasks
   std::vector<T> q, acc, m, l, s;
+  std::vector<int64_t> span;  // per row: its visible keys [span[2r], span[2r + 1]) within the page
 };
 
 // Fixed-width lane loops: GCC vectorizes them without -ffast-math (no reassociation needed).
@@ -312,8 +317,215 @@ void attend_tile(const Args<T>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1
   finish_tile(a, b, hk, i0, i1, w);
 }
 
+
+#if defined(__AVX512F__)
+// ---------------------------------------------------------------- float32, AVX-512
+// Scores without a horizontal sum per key: 16 keys' partial dot products (one vector each) are
+// reduced together by a shuffle tree into one vector of 16 scores; P.V keeps R rows x NV vectors of
+// accumulators in registers. Used for every tile of a float32 call on a CPU with AVX-512.
+namespace fast {
+
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
+
+// r[k] (k = 0..15) -> one vector whose lane k is the sum of r[k]'s 16 lanes.
+inline __m512 hsum16(__m512* r) {
+  __m512 t[8], u[4], w[2];
+  for (int p = 0; p < 8; ++p)  // [a0+a2, a1+a3, b0+b2, b1+b3] (128-bit lanes) for a = r[2p], b = r[2p+1]
+    t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * p], r[2 * p + 1], 0x44),
+                         _mm512_shuffle_f32x4(r[2 * p], r[2 * p + 1], 0xEE));
+  for (int q = 0; q < 4; ++q)  // 128-bit lane L: key 4q + L's four partial sums
+    u[q] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * q], t[2 * q + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * q], t[2 * q + 1], 0xDD));
+  for (int q = 0; q < 2; ++q)  // lane L: [x02, y02, x13, y13] for keys x = 8q + L, y = 8q + 4 + L
+    w[q] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * q], u[2 * q + 1]), _mm512_unpackhi_ps(u[2 * q], u[2 * q + 1]));
+  // lane L: keys L, 4 + L, 8 + L, 12 + L: position 4L + m holds key 4m + L
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x44), _mm512_shuffle_ps(w[0], w[1], 0xEE));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, f);
+}
+
+// s[j] = q . k_j for j in [0, n): q (d floats, d <= 16 NQ), key j at k + j * ks.
+template <int NQ>
+void qk_row(const float* q, const float* k, int64_t ks, int64_t n, int64_t d, float* s) {
+  const __mmask16 tail = lanes(d - 16 * (NQ - 1));
+  __m512 qv[NQ];
+  for (int c = 0; c < NQ; ++c) qv[c] = _mm512_maskz_loadu_ps(c == NQ - 1 ? tail : __mmask16(0xFFFF), q + 16 * c);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, n - j0);
+    __m512 r[16];
+    for (int j = 0; j < 16; ++j) {
+      r[j] = _mm512_setzero_ps();
+      if (j >= nk) continue;
+      const float* kj = k + (j0 + j) * ks;
+      for (int c = 0; c < NQ; ++c)
+        r[j] = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(c == NQ - 1 ? tail : __mmask16(0xFFFF), kj + 16 * c),
+                               r[j]);
+    }
+    _mm512_mask_storeu_ps(s + j0, lanes(nk), hsum16(r));
+  }
+}
+
+using QkFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, float*);
+inline QkFn qk_for(int64_t d) {
+  switch ((d + 15) / 16) {
+    case 1: return qk_row<1>;
+    case 2: return qk_row<2>;
+    case 3: return qk_row<3>;
+    case 4: return qk_row<4>;
+    case 5: return qk_row<5>;
+    case 6: return qk_row<6>;
+    case 7: return qk_row<7>;
+    case 8: return qk_row<8>;
+    default: return nullptr;
+  }
+}
+
+// o[r] (R rows at stride ldo, NV vectors from column x, the last one masked) += sum_j p[r][j] v_j for
+// j in [j0, j1): rows of p at stride ldp, value j at v + j * vs.
+template <int R, int NV>
+void pv_block(float* o, int64_t ldo, const float* p, int64_t ldp, const float* v, int64_t vs, int64_t j0, int64_t j1,
+              __mmask16 tail) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c)
+      acc[r][c] = _mm512_maskz_loadu_ps(c == NV - 1 ? tail : __mmask16(0xFFFF), o + r * ldo + 16 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    __m512 vv[NV];
+    for (int c = 0; c < NV; ++c)
+      vv[c] = _mm512_maskz_loadu_ps(c == NV - 1 ? tail : __mmask16(0xFFFF), v + j * vs + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pb = _mm512_set1_ps(p[r * ldp + j]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c)
+      _mm512_mask_storeu_ps(o + r * ldo + 16 * c, c == NV - 1 ? tail : __mmask16(0xFFFF), acc[r][c]);
+}
+
+template <int R>
+void pv_rows(float* o, int64_t dv, const float* p, int64_t ldp, const float* v, int64_t vs, int64_t j0, int64_t j1) {
+  for (int64_t x = 0; x < dv; x += 64) {
+    const int64_t width = std::min<int64_t>(64, dv - x);
+    const __mmask16 tail = lanes(width - 16 * ((width - 1) / 16));
+    switch ((width + 15) / 16) {
+      case 1: pv_block<R, 1>(o + x, dv, p, ldp, v + x, vs, j0, j1, tail); break;
+      case 2: pv_block<R, 2>(o + x, dv, p, ldp, v + x, vs, j0, j1, tail); break;
+      case 3: pv_block<R, 3>(o + x, dv, p, ldp, v + x, vs, j0, j1, tail); break;
+      default: pv_block<R, 4>(o + x, dv, p, ldp, v + x, vs, j0, j1, tail); break;
+    }
+  }
+}
+
+// exp(x) for x <= 0, 16 lanes: the scalar exp_nonpositive's polynomial.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 hi = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, in two parts
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), hi);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+// softmax_update for float32 rows, 16 lanes at a time (the running max, then exp and sum).
+inline void softmax_update(Work<float>& w, int64_t r, int64_t dv, float* s, int64_t n) {
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, lanes(n - j), s + j));
+  const float cmax = _mm512_reduce_max_ps(vmax);
+  if (cmax > w.m[r]) {
+    const float alpha = std::exp(w.m[r] - cmax);
+    w.l[r] *= alpha;
+    scale_row(w.acc.data() + r * dv, alpha, dv);
+    w.m[r] = cmax;
+  }
+  const __m512 m = _mm512_set1_ps(w.m[r]);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = lanes(n - j);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), m));
+    _mm512_mask_storeu_ps(s + j, k, e);
+    sum = _mm512_mask_add_ps(sum, k, sum, e);
+  }
+  w.l[r] += _mm512_reduce_add_ps(sum);
+}
+
+// The same tile as attend_tile, float32: per page, each row's visible keys scored (qk_row), its online
+// softmax updated, then P.V for 4 rows at a time over the union of their visible keys.
+inline void attend_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1, Work<float>& w,
+                        QkFn qk) {
+  const int64_t group = a.heads / a.kv_heads, d = a.d, dv = a.dv;
+  const int64_t sq = a.cu_q[b + 1] - a.cu_q[b], shift = a.seqlens_k[b] - sq;
+  const int64_t sk = std::min(a.seqlens_k[b], a.table_w * a.page);
+  const int64_t rows = (i1 - i0) * group;
+  start_tile(a, b, hk, i0, i1, w);
+  w.s.resize(rows * a.page);
+  w.span.resize(2 * rows);
+  int64_t* span = w.span.data();
+  int64_t lo = 0, hi = sk;
+  if (a.left >= 0) lo = std::max<int64_t>(0, i0 + shift - a.left);
+  if (a.right >= 0) hi = std::min<int64_t>(sk, i1 - 1 + shift + a.right + 1);
+  const int64_t* table = a.table + b * a.table_b;
+  for (int64_t p = lo / a.page; p * a.page < hi; ++p) {
+    const int64_t blk = table[p];
+    const int64_t j0 = std::max(lo, p * a.page), j1 = std::min(hi, (p + 1) * a.page), n = j1 - j0;
+    const float* k0 = a.k + blk * a.k_b + hk * a.k_h + (j0 - p * a.page) * a.k_p;
+    const float* v0 = a.v + blk * a.v_b + hk * a.v_h + (j0 - p * a.page) * a.v_p;
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t s0, s1;
+      row_span(a, i0 + r / group, shift, j0, j1, s0, s1);
+      s0 -= j0;
+      s1 -= j0;
+      span[2 * r] = s0;
+      span[2 * r + 1] = s1;
+      if (s0 >= s1) continue;
+      float* srow = w.s.data() + r * n;
+      qk(w.q.data() + r * d, k0 + s0 * a.k_p, a.k_p, s1 - s0, d, srow + s0);
+      if (a.softcap > 0)
+        for (int64_t j = s0; j < s1; ++j) srow[j] = a.softcap * std::tanh(srow[j]);
+      softmax_update(w, r, dv, srow + s0, s1 - s0);
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t nr = std::min<int64_t>(4, rows - r0);
+      int64_t u0 = n, u1 = 0;  // the union of the rows' visible keys; zeros around each row's own
+      for (int64_t r = r0; r < r0 + nr; ++r)
+        if (span[2 * r] < span[2 * r + 1]) {
+          u0 = std::min(u0, span[2 * r]);
+          u1 = std::max(u1, span[2 * r + 1]);
+        }
+      if (u0 >= u1) continue;
+      for (int64_t r = r0; r < r0 + nr; ++r) {
+        float* srow = w.s.data() + r * n;
+        const int64_t s0 = std::max(u0, std::min(span[2 * r], u1)), s1 = std::max(s0, span[2 * r + 1]);
+        std::fill(srow + u0, srow + s0, 0.f);
+        std::fill(srow + std::min(s1, u1), srow + u1, 0.f);
+      }
+      float* o = w.acc.data() + r0 * dv;
+      const float* pr = w.s.data() + r0 * n;
+      switch (nr) {
+        case 4: pv_rows<4>(o, dv, pr, n, v0, a.v_p, u0, u1); break;
+        case 3: pv_rows<2>(o, dv, pr, n, v0, a.v_p, u0, u1);
+                pv_rows<1>(o + 2 * dv, dv, pr + 2 * n, n, v0, a.v_p, u0, u1); break;
+        case 2: pv_rows<2>(o, dv, pr, n, v0, a.v_p, u0, u1); break;
+        default: pv_rows<1>(o, dv, pr, n, v0, a.v_p, u0, u1); break;
+      }
+    }
+  }
+  finish_tile(a, b, hk, i0, i1, w);
+}
+
+}  // namespace fast
+#endif
+
 template <typename T>
-void run(const Args<T>& a, int64_t batch) {
+void run(const Args<T>& a, int64_t batch, bool generic) {
   std::vector<int64_t> tasks;  // (sequence, first query row) pairs
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t i = 0; i < a.cu_q[b + 1] - a.cu_q[b]; i += kQueryTile) {
@@ -327,6 +539,15 @@ void run(const Args<T>& a, int64_t batch) {
       const int64_t task = t / a.kv_heads, hk = t % a.kv_heads;
       const int64_t b = tasks[2 * task], i0 = tasks[2 * task + 1];
       const int64_t i1 = std::min(i0 + kQueryTile, a.cu_q[b + 1] - a.cu_q[b]);
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, float>) {
+        const fast::QkFn qk = generic ? nullptr : fast::qk_for(a.d);
+        if (qk != nullptr) {
+          fast::attend_tile(a, b, hk, i0, i1, w, qk);
+          continue;
+        }
+      }
+#endif
       attend_tile(a, b, hk, i0, i1, w);
     }
   });
@@ -338,7 +559,7 @@ void run(const Args<T>& a, int64_t batch) {
 std::tuple<at::Tensor, at::Tensor> paged_attention(
     const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages, const at::Tensor& block_table,
     const at::Tensor& seqlens_k, const at::Tensor& cu_seqlens_q, double factor, double softcap, int64_t left,
-    int64_t right, const std::optional<at::Tensor>& sinks) {
+    int64_t right, const std::optional<at::Tensor>& sinks, int64_t generic) {
   TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.dim() == 4, "paged_attention: bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && k_pages.stride(3) == 1 && v_pages.stride(3) == 1,
               "paged_attention: last dims must be contiguous");
@@ -349,9 +570,14 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
   auto cu = cu_seqlens_q.to(at::kLong).contiguous();
   const int64_t batch = table.size(0);
   TORCH_CHECK(lens.numel() == batch && cu.numel() == batch + 1, "paged_attention: batch mismatch");
+  const int64_t* cu_rows = cu.data_ptr<int64_t>();
+  TORCH_CHECK(cu_rows[0] >= 0 && cu_rows[batch] <= q.size(0), "paged_attention: cu_seqlens_q (", cu_rows[0], " .. ",
+              cu_rows[batch], ") does not fit q's ", q.size(0), " rows");
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(cu_rows[b] <= cu_rows[b + 1], "paged_attention: cu_seqlens_q must not decrease");
   auto out = at::empty({q.size(0), q.size(1), v_pages.size(3)}, q.options());
   auto lse = at::empty({q.size(0), q.size(1)}, q.options());
-  if (cu[batch].item<int64_t>() != q.size(0) || cu[0].item<int64_t>() != 0) {  // rows no sequence owns: 0, +inf
+  if (cu_rows[batch] != q.size(0) || cu_rows[0] != 0) {  // rows no sequence owns: 0, +inf
     out.zero_();
     lse.fill_(std::numeric_limits<double>::infinity());
   }
@@ -374,14 +600,15 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
     a.page = k_pages.size(1);
     a.factor = static_cast<scalar_t>(factor); a.softcap = static_cast<scalar_t>(softcap);
     a.left = left; a.right = right;
-    run(a, batch);
+    run(a, batch, generic != 0);
   });
   return {out, lse};
 }
 
 TORCH_LIBRARY(flashpage_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seqlens_k, "
-        "Tensor cu_seqlens_q, float factor, float softcap, int left, int right, Tensor? sinks) -> (Tensor, Tensor)");
+        "Tensor cu_seqlens_q, float factor, float softcap, int left, int right, Tensor? sinks, int generic) -> "
+        "(Tensor, Tensor)");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }
 """
@@ -527,7 +754,7 @@ def window_sides(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
 
 def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                     seqlens_k: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float, softcap: float,
-                    window: tuple[int, int], s_aux: torch.Tensor | None,
+                    window: tuple[int, int], s_aux: torch.Tensor | None, *, generic: bool = False,
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Paged attention of packed queries, or None when the kernel is unavailable (caller falls back).
 
@@ -544,4 +771,4 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     if q.stride(-1) != 1:
         q = q.contiguous()
     return kernel(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, factor, softcap, int(window[0]),
-                  int(window[1]), s_aux)
+                  int(window[1]), s_aux, int(generic))

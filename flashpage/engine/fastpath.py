@@ -1,0 +1,309 @@
+"""Fewer eager ops per engine step: fused norms, rotary and gated-MLP activations in the HF modules.
+
+An eager transformers forward runs RMSNorm as ~8 small ops, ``apply_rotary_pos_emb`` as ~16 and
+``act_fn(gate) * up`` through an activation module; on CPU each op costs several microseconds of
+dispatch before any arithmetic. Inside :func:`fastpath_scope` (the engine's eager forwards, on the
+calling thread) these run as fewer ops:
+
+- **norms**: a module whose forward a probe proves equal (random inputs and weights, float32) to
+  ``F.rms_norm(x, w)`` (Llama, Qwen, Mistral...), ``F.rms_norm(x, 1 + w)`` (Gemma) or a bias-free
+  ``F.layer_norm`` (Cohere) calls that one op;
+- **rotary**: a modeling module's ``apply_rotary_pos_emb`` that a probe proves equal to
+  ``q * cos + rotate_half(q) * sin`` runs as ``addcmul(q * cos, q.roll(D/2), sin_signed)``, with
+  ``sin_signed`` (the first half negated) built once per step and shared by every layer;
+- **gated MLPs**: ``down(act(gate(x)) * up(x))`` (act a probed silu / gelu) with the activation and the
+  product in place, no activation module call.
+
+Outside the scope (``model.generate()``, training, other threads, torch.compile traces) every patched
+forward calls the module's own code, so the model computes exactly what it did. Only float32
+activations take the fused ops (the rounding of other dtypes differs between the two orders).
+Results differ from the modules' own by float32 rounding (probe tolerance 1e-5). ``FLASHPAGE_FASTPATH=0``
+turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import os
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ENV = "FLASHPAGE_FASTPATH"
+_STATE = threading.local()
+_ATOL = _RTOL = 1e-5
+
+
+def enabled_by_env() -> bool:
+    """False when ``FLASHPAGE_FASTPATH`` is 0/false/off."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _active() -> bool:
+    return getattr(_STATE, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def fastpath_scope(enabled: bool = True) -> Iterator[None]:
+    """The patched forwards take their fused ops inside this block, on this thread."""
+    if not enabled:
+        yield
+        return
+    _STATE.depth = getattr(_STATE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.depth -= 1
+        if _STATE.depth == 0:
+            _STATE.rotary = None  # the step's cos/sin: not kept alive past it
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.allclose(a, b, atol=_ATOL, rtol=_RTOL))
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    return False
+
+
+# ---------------------------------------------------------------------------------------------- norms
+@dataclass(frozen=True)
+class FusedNorm:
+    """How a norm module's forward is computed in one op: ``F.rms_norm(x, (dim,), w + offset, eps)``, or
+    ``F.layer_norm(x, (dim,), w + offset, None, eps)`` for a bias-free mean-centred norm (Cohere)."""
+
+    dim: int
+    eps: float
+    offset: float  # 0.0: the weight as is (Llama); 1.0: 1 + weight (Gemma)
+    centred: bool = False  # layer norm (mean subtracted) rather than RMS norm
+
+
+def _norm_eps(module: torch.nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        value = vars(module).get(name)
+        if isinstance(value, float) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _fused_norm(norm: FusedNorm, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (..., dim) float32 -> (..., dim): the norm in one op (two with a weight offset)."""
+    w = weight if norm.offset == 0.0 else weight + norm.offset
+    if norm.centred:
+        return F.layer_norm(x, (norm.dim,), w, None, norm.eps)
+    return F.rms_norm(x, (norm.dim,), w, norm.eps)
+
+
+def probe_norm(module: torch.nn.Module) -> FusedNorm | None:
+    """The fused form of ``module`` if its own forward computes it (random x and weight, float32), else None.
+    Candidates: a module with a 1-D float32 ``weight``, an ``eps`` attribute and no children (torch's own
+    norm modules are one op already)."""
+    weight = getattr(module, "weight", None)
+    eps = _norm_eps(module)
+    if (eps is None or not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1
+            or weight.dtype != torch.float32 or weight.device.type == "meta" or next(module.children(), None)
+            or type(module) in (torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.GroupNorm)):
+        return None
+    dim = weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            probe = copy.deepcopy(module).cpu()
+            probe.weight.copy_(torch.randn(dim, generator=g) * 0.5)
+            x = torch.randn(2, 3, dim, generator=g) * 2.0 + 0.3
+            want = type(module).forward(probe, x)
+            for centred in (False, True):
+                for offset in (0.0, 1.0):
+                    fused = FusedNorm(dim, eps, offset, centred)
+                    if _close(want, _fused_norm(fused, x, probe.weight)):
+                        return fused
+    except Exception:  # a module that is not a plain x -> norm(x) forward is simply not a candidate
+        return None
+    return None
+
+
+def _norm_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """x (..., dim) -> (..., dim): the fused op inside the engine's scope on float32, else the module's own."""
+    if not torch.compiler.is_compiling() and _active() and x.dtype == torch.float32 and not args and not kwargs:
+        return _fused_norm(self._flashpage_norm, x, self.weight)
+    return type(self).forward(self, x, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------- rotary
+def _rotary_tables(cos: torch.Tensor, sin: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (B, L, D) -> unsqueezed at ``dim`` (cos, sin with its first half negated); once per step."""
+    cached = getattr(_STATE, "rotary", None)
+    if cached is not None and cached[0] is cos and cached[1] is sin and cached[2] == dim:
+        return cached[3], cached[4]
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(dim)
+    c = cos.unsqueeze(dim)
+    _STATE.rotary = (cos, sin, dim, c, signed)
+    return c, signed
+
+
+def fused_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, H, L, D), k (B, Hk, L, D) (or (B, L, H, D) with ``unsqueeze_dim=2``), cos/sin (B, L, D):
+    ``x * cos + rotate_half(x) * sin`` for both, as ``addcmul(x * cos, roll(x, D/2), sin_signed)``."""
+    c, s = _rotary_tables(cos, sin, unsqueeze_dim)
+    half = q.shape[-1] // 2
+    return (torch.addcmul(q * c, q.roll(half, -1), s), torch.addcmul(k * c, k.roll(half, -1), s))
+
+
+def _probe_rotary(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn(q, k, cos, sin[, unsqueeze_dim=2])`` is the half-rotation RoPE of :func:`fused_rotary`."""
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 4, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)
+    cos, sin = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
+    try:
+        if "unsqueeze_dim" in inspect.signature(fn).parameters:
+            qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+            if not _close(fn(qt, kt, cos, sin, unsqueeze_dim=2), _unrolled(fused_rotary, qt, kt, cos, sin, 2)):
+                return False
+        return _close(fn(q, k, cos, sin), _unrolled(fused_rotary, q, k, cos, sin, 1))
+    except Exception:  # another signature or another rotation: not a candidate
+        return False
+
+
+def _unrolled(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` outside any step (the per-step table cache untouched)."""
+    saved = getattr(_STATE, "rotary", None)
+    try:
+        return fn(*args)
+    finally:
+        _STATE.rotary = saved
+
+
+def _rotary_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` with the fused form taken inside the engine's scope for float32, full-width rotary."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if (not torch.compiler.is_compiling() and _active() and not args
+                and q.dtype == k.dtype == cos.dtype == sin.dtype == torch.float32
+                and cos.shape[-1] == q.shape[-1] == k.shape[-1] and set(kwargs) <= {"unsqueeze_dim"}):
+            return fused_rotary(q, k, cos, sin, kwargs.get("unsqueeze_dim", 1))
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
+    apply_rotary_pos_emb._flashpage_rotary = True  # type: ignore[attr-defined]
+    apply_rotary_pos_emb.__doc__ = original.__doc__
+    return apply_rotary_pos_emb
+
+
+def install_rotary(model: torch.nn.Module) -> list[str]:
+    """Give the modeling modules of ``model``'s classes whose ``apply_rotary_pos_emb`` passes the probe
+    the scoped fused form (a module global: the dispatcher calls the original outside the scope).
+    Returns the modeling modules that have it."""
+    done: list[str] = []
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        mod = sys.modules.get(name)
+        fn = getattr(mod, "apply_rotary_pos_emb", None) if mod is not None else None
+        if not isinstance(fn, types.FunctionType):
+            continue
+        if getattr(fn, "_flashpage_rotary", False):
+            done.append(name)
+        elif _probe_rotary(fn):
+            mod.apply_rotary_pos_emb = _rotary_dispatch(fn)
+            done.append(name)
+    return done
+
+
+# ------------------------------------------------------------------------------------------ gated MLPs
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": lambda t: F.silu(t, inplace=True),
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def probe_mlp(module: torch.nn.Module) -> str | None:
+    """The activation name if ``module.forward(x)`` is ``down(act(gate(x)) * up(x))`` (checked on random x),
+    else None. Candidates: ``gate_proj``, ``up_proj``, ``down_proj`` linears and an ``act_fn``."""
+    parts = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    act = getattr(module, "act_fn", None)
+    if not all(isinstance(p, torch.nn.Linear) for p in parts) or not callable(act):
+        return None
+    gate, up, down = parts
+    if gate.weight.dtype != torch.float32 or gate.weight.device.type == "meta":
+        return None
+    g = torch.Generator().manual_seed(2)
+    try:
+        with torch.no_grad():
+            x = torch.randn(2, 3, gate.in_features, generator=g).to(gate.weight.device)
+            want = type(module).forward(module, x)
+            for name, fn in _ACTIVATIONS.items():
+                h = gate(x)
+                if not _close(act(h.clone()), fn(h.clone())):
+                    continue
+                if _close(want, down(fn(gate(x)) * up(x))):
+                    return name
+    except Exception:  # a forward that takes more than x
+        return None
+    return None
+
+
+def _mlp_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """x (..., hidden) -> (..., hidden): activation and product in place inside the engine's scope."""
+    if (not torch.compiler.is_compiling() and _active() and x.dtype == torch.float32 and not args and not kwargs
+            and torch.is_inference_mode_enabled()):
+        h = _ACTIVATIONS[self._flashpage_mlp](self.gate_proj(x))
+        return self.down_proj(h.mul_(self.up_proj(x)))
+    return type(self).forward(self, x, *args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------- install
+@dataclass(frozen=True)
+class FastPath:
+    """What :func:`install_fastpath` gave a model: counts of fused modules, modules with fused rotary."""
+
+    norms: int = 0
+    mlps: int = 0
+    rotary: tuple[str, ...] = ()
+
+    @property
+    def any(self) -> bool:
+        return bool(self.norms or self.mlps or self.rotary)
+
+    def describe(self) -> str:
+        return f"{self.norms} norms, {self.mlps} gated MLPs, rotary in {len(self.rotary)} modeling module(s)"
+
+
+def _install_forward(module: torch.nn.Module, forward: Callable[..., Any], attr: str, value: Any) -> bool:
+    own = vars(module).get("forward")
+    if own is not None:
+        return getattr(own, "__func__", None) is forward  # ours already, or someone else's: left alone
+    setattr(module, attr, value)
+    module.forward = types.MethodType(forward, module)
+    return True
+
+
+def install_fastpath(model: torch.nn.Module) -> FastPath:
+    """Probe every norm and gated MLP of ``model`` and the rotary of its modeling modules; give those that
+    pass the scoped fused forward (idempotent). Nothing changes when ``FLASHPAGE_FASTPATH=0``."""
+    if not enabled_by_env():
+        return FastPath()
+    norms = mlps = 0
+    for module in model.modules():
+        if getattr(vars(module).get("forward"), "__func__", None) is _norm_forward:
+            norms += 1
+            continue
+        if getattr(vars(module).get("forward"), "__func__", None) is _mlp_forward:
+            mlps += 1
+            continue
+        fused = probe_norm(module)
+        if fused is not None:
+            norms += _install_forward(module, _norm_forward, "_flashpage_norm", fused)
+            continue
+        act = probe_mlp(module)
+        if act is not None:
+            mlps += _install_forward(module, _mlp_forward, "_flashpage_mlp", act)
+    return FastPath(norms=norms, mlps=mlps, rotary=tuple(install_rotary(model)))

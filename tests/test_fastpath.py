@@ -1,0 +1,157 @@
+"""The engine's fused norms / rotary / gated MLPs (flashpage/engine/fastpath.py): a probe decides which
+modules get them, they act only inside the engine's scope on its thread (bit for bit the module's own
+code elsewhere), ``FLASHPAGE_FASTPATH=0`` turns them off, and LLM's greedy tokens and logprobs still
+equal transformers' generate() for the families that take them."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_helpers import hf_greedy, random_prompts
+from model_zoo import tiny_model
+
+from flashpage import LLM, SamplingParams
+from flashpage.engine import fastpath
+from flashpage.patches import unpatch
+from flashpage.testing import compare_greedy
+
+pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
+
+
+def _norm(model_type: str) -> torch.nn.Module:
+    norm = tiny_model(model_type).model.norm
+    with torch.no_grad():
+        norm.weight.normal_()  # not the init's ones/zeros: the offset must matter
+    return norm
+
+
+@pytest.mark.parametrize(("model_type", "offset", "centred"), [("llama", 0.0, False), ("gemma", 1.0, False),
+                                                                 ("cohere", 0.0, True)])
+def test_probe_finds_each_norm_form_and_the_scope_confines_it(model_type, offset, centred):
+    norm = _norm(model_type)
+    fused = fastpath.probe_norm(norm)
+    assert fused is not None and (fused.offset, fused.centred) == (offset, centred)
+    holder = torch.nn.Sequential(norm)
+    assert fastpath.install_fastpath(holder).norms == 1
+    assert fastpath.install_fastpath(holder).norms == 1  # idempotent
+    x = torch.randn(2, 5, norm.weight.shape[0]) * 3
+    own = type(norm).forward(norm, x)
+    assert torch.equal(norm(x), own), "outside the scope: the module's own forward"
+    seen: list[torch.Tensor] = []
+    with fastpath.fastpath_scope():
+        inside = norm(x)
+        worker = threading.Thread(target=lambda: seen.append(norm(x)))
+        worker.start()
+        worker.join()
+        assert torch.equal(norm(x.double()).float(), type(norm).forward(norm, x.double()).float()), \
+            "float64 is not fused"
+    assert torch.equal(seen[0], own), "another thread is not in the engine's scope"
+    assert torch.allclose(inside, own, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(inside, F.rms_norm(x, x.shape[-1:], None, fused.eps)), "the weight is applied"
+
+
+class _ShiftedNorm(torch.nn.Module):
+    """Looks like an RMSNorm (1-D weight, eps) but adds a shift: no fused form computes it."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+        self.eps = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps) + 0.01
+
+
+def test_probe_refuses_what_it_cannot_reproduce_and_the_switch_turns_it_off(monkeypatch):
+    assert fastpath.probe_norm(_ShiftedNorm(16)) is None
+    assert fastpath.probe_norm(torch.nn.LayerNorm(16)) is None  # already one op
+    model = tiny_model("llama")
+    monkeypatch.setenv(fastpath.ENV, "0")
+    assert not fastpath.install_fastpath(model).any
+    assert "forward" not in vars(model.model.norm)
+
+
+def test_rotary_dispatch_is_the_original_outside_and_refuses_other_rotations():
+    model = tiny_model("phi3")  # its apply_rotary_pos_emb also rotates a leading part (partial rotary)
+    assert fastpath.install_fastpath(model).rotary
+    module = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    dispatch = module.apply_rotary_pos_emb
+    original = dispatch.__wrapped__
+    q, k = torch.randn(1, 6, 4, 16).transpose(1, 2), torch.randn(1, 6, 2, 16).transpose(1, 2)  # (B, H, L, D)
+    cos, sin = torch.randn(1, 6, 16), torch.randn(1, 6, 16)
+    want = original(q, k, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(dispatch(q, k, cos, sin), want, strict=True))
+    with fastpath.fastpath_scope():
+        got = dispatch(q, k, cos, sin)
+        again = dispatch(q, k, cos, sin)  # the step's sin table reused
+        partial = dispatch(q, k, cos[..., :8], sin[..., :8])  # not full width: the original's own code
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(partial, original(q, k, cos[..., :8], sin[..., :8]), strict=True))
+    assert fastpath._STATE.rotary is None, "the step's tables are dropped at the scope's end"
+
+    def interleaved(q, k, cos, sin):  # GPT-J style rotation: not the half-rotation the fused form computes
+        def rot(x):
+            return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+        return q * cos.unsqueeze(1) + rot(q) * sin.unsqueeze(1), k * cos.unsqueeze(1) + rot(k) * sin.unsqueeze(1)
+    assert not fastpath._probe_rotary(interleaved)
+
+
+def test_gated_mlp_probe_and_in_place_product():
+    mlp = tiny_model("gemma").model.layers[0].mlp
+    assert fastpath.probe_mlp(mlp) == "gelu_tanh"
+    fastpath.install_fastpath(torch.nn.Sequential(mlp))
+    x = torch.randn(3, 7, mlp.gate_proj.in_features)
+    own = type(mlp).forward(mlp, x)
+    with torch.inference_mode(), fastpath.fastpath_scope():
+        inside = mlp(x)
+    assert torch.equal(mlp(x), own)
+    assert torch.allclose(inside, own, atol=1e-5, rtol=1e-5)
+
+
+FAMILIES = ["llama", "qwen3", "gemma", "gemma2", "gemma3_text", "mistral", "phi3", "olmo2", "cohere"]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_llm_tokens_and_logprobs_equal_transformers(model_type, monkeypatch):
+    calls = {"norm": 0, "rotary": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(fastpath, "_fused_norm", counted("norm", fastpath._fused_norm))
+    monkeypatch.setattr(fastpath, "fused_rotary", counted("rotary", fastpath.fused_rotary))
+    model = tiny_model(model_type, max_position_embeddings=512)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    prompts = random_prompts(3, 5, 40, seed=3)
+    llm = LLM(model, max_num_seqs=4)
+    try:
+        # what each family's modules are: a probe that stopped recognising them would make this test vacuous
+        assert llm.fastpath.norms > 0 and (llm.fastpath.mlps > 0) == (model_type != "phi3")  # phi3: gate_up_proj
+        assert bool(llm.fastpath.rotary) == (model_type != "cohere")  # cohere: interleaved rotary
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0),
+                            use_tqdm=False)
+    finally:
+        unpatch(model)
+    assert calls["norm"] > 0, "the engine's steps took the fused norms"
+    assert calls["rotary"] > 0 or model_type == "cohere"
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref, logits = hf_greedy(model, prompt, 8, eos=False)
+        got = out.outputs[0]
+        assert got.logprobs is not None and len(got.logprobs) == len(got.token_ids)
+        match = compare_greedy(ref, got.token_ids, logits)
+        assert match.ok, f"{model_type}: {match.explain()}"
+        same = len(ref) if match.position is None else match.position  # logprobs of the shared prefix
+        for tok, lp, step in zip(got.token_ids[:same], got.logprobs, logits, strict=False):
+            want = torch.log_softmax(step.float(), -1)[tok].item()
+            assert abs(lp.logprob - want) < 1e-4, f"{model_type}: logprob {lp.logprob} vs transformers' {want}"
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before), "outside the engine the model is untouched"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -188,16 +189,19 @@ class DeviceStep:
                 or not cpu_attention.eligible(query, k_pages, v_pages)):
             return None
         rows, heads, length, d = query.shape
-        table, seqlens, cu_q = self._cpu_metadata(rows, length)
+        kernel, table, seqlens, cu_q = self._cpu_metadata(rows, length)
+        if kernel is None:
+            return None
         scale = d**-0.5 if opts.softmax_scale is None else float(opts.softmax_scale)
-        res = cpu_attention.paged_attention(query.transpose(1, 2).reshape(rows * length, heads, d), k_pages, v_pages,
-                                            table, seqlens, cu_q, scale, float(opts.softcap),
-                                            cpu_attention.window_sides(opts.causal, opts.window_size), s_aux)
-        return None if res is None else res[0].view(rows, length, heads, -1)
+        out, _ = cpu_attention.run_kernel(kernel, query.transpose(1, 2).reshape(rows * length, heads, d), k_pages,
+                                          v_pages, table, seqlens, cu_q, scale, float(opts.softcap),
+                                          cpu_attention.window_sides(opts.causal, opts.window_size), s_aux)
+        return out.view(rows, length, heads, -1)
 
-    def _cpu_metadata(self, rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(block table, key lengths, query-row prefix sums) as the C++ kernel reads them (int64) for
-        queries of this shape, built on the first layer's call and shared by the others."""
+    def _cpu_metadata(self, rows: int, length: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The C++ kernel (None: unavailable or forced off) and the (block table, key lengths, query-row
+        prefix sums) it reads (int64) for queries of this shape, built on the first layer's call and
+        shared by the others."""
         key = ("cpu", rows, length)
         meta = self._masks.get(key)
         if meta is None:
@@ -210,7 +214,7 @@ class DeviceStep:
             else:
                 cu_q = self.cu_seqlens_q.to(torch.int64)
                 seqlens = self.cu_seqlens_k.diff().to(torch.int64)
-            meta = self._masks[key] = (table, seqlens, cu_q)
+            meta = self._masks[key] = (cpu_attention.load(), table, seqlens, cu_q)
         return meta
 
     def _kvcache(self, qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,

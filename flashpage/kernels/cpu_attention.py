@@ -767,6 +767,16 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     kernel = load()
     if kernel is None:
         return None
+    return run_kernel(kernel, q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, scale, softcap, window, s_aux,
+                      generic=generic)
+
+
+def run_kernel(kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor, k_pages: torch.Tensor,
+               v_pages: torch.Tensor, block_table: torch.Tensor, seqlens_k: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               scale: float, softcap: float, window: tuple[int, int], s_aux: torch.Tensor | None, *,
+               generic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_attention` on a kernel :func:`load` returned (a caller that looks it up once per
+    step skips the per-call environment check); same arguments and results."""
     factor = scale / softcap if softcap > 0 else scale
     if q.stride(-1) != 1:
         q = q.contiguous()

@@ -344,6 +344,19 @@ def prepack_wanted(mode: bool | str, nbytes: int) -> tuple[bool, str]:
     return bool(mode), f"cpu_prepack={mode}"
 
 
+def prepack_default() -> str:
+    """What ``LLM(cpu_prepack="auto")`` does here, in words (``flashpage info``)."""
+    env = os.environ.get(PREPACK_ENV, "").strip().lower()
+    if env in ("0", "false", "off", "no"):
+        return f"weights not packed ({PREPACK_ENV}={env})"
+    if env == "unfused":
+        return f"weights packed, siblings not fused ({PREPACK_ENV}={env})"
+    if env in ("1", "true", "on", "yes"):
+        return f"weights packed, siblings fused ({PREPACK_ENV}={env})"
+    return f"weights packed and siblings fused when the copies fit in {AUTO_MEMORY_SHARE:.0%} of available memory " \
+           f"(LLM(cpu_prepack='auto'); {PREPACK_ENV}=0 turns it off)"
+
+
 @dataclass
 class Prepacked:
     """An engine's packed (and fused) copies of its model's float32 CPU linear weights.

@@ -364,7 +364,7 @@ class Prepacked:
     The first engine step inside :func:`onednn_scope` runs unpacked and records which linears receive
     the identical input tensor object one after another under one parent module (q/k/v, gate/up: no
     names involved); after it, each such run becomes one packed GEMM whose output is split (views) back
-    to its members, and every other linear the step called gets its own packed weight. At run time a
+    to its members, and every other linear with the oneDNN forward gets its own packed weight. At run time a
     member other than a group's first gets its view only when it is called on that very tensor object
     (else: its unpacked oneDNN call). :meth:`refresh` repacks after a weight change; the model itself is
     never modified, and nothing is used outside the engine's scope.
@@ -438,7 +438,9 @@ class Prepacked:
         fuse = self.fuse and os.environ.get(PREPACK_ENV, "").strip().lower() != "unfused"  # A/B of the fusion
         groups = sibling_groups(probe, _parents(self.model)) if fuse else []
         grouped = {id(m) for g in groups for m in g}
-        singles = [[m] for m in probe.seen if id(m) not in grouped and _packable(m)]
+        # every other linear alone, those the probe step did not call too (MoE experts it did not route to)
+        others = probe.seen + [m for m in self.model.modules() if _has_onednn_forward(m) and id(m) not in probe.calls]
+        singles = [[m] for m in others if id(m) not in grouped and _packable(m)]
         self._use([PackedGemm(tuple(g), tuple(m.weight.shape[0] for m in g)) for g in groups + singles])
 
     def compiled_table(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:

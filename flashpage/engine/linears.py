@@ -172,7 +172,7 @@ def compiled_scope(enabled: bool = True, packs: Prepacked | None = None) -> Iter
 # ------------------------------------------------------------------ packed and fused weights
 # oneDNN reorders a plain (out, in) weight into its blocked layout on every call; vLLM's CPU backend
 # packs each weight once; ``_reorder_linear_weight(w, batch_hint)`` does that here. Measured (1 thread,
-# AMD EPYC, AVX-512; README "Engine API"): hint 32 is within noise of the best hint at M = 1..2048 and
+# AMD EPYC, AVX-512; README "Against vLLM", linears): hint 32 is within noise of the best hint at M = 1..2048 and
 # never slower than the plain weight, so one pack serves decode and prefill steps alike.
 PREPACK_ENV = "FLASHPAGE_CPU_PREPACK"
 PACK_BATCH_HINT = 32

@@ -266,7 +266,8 @@ def format_report(result: dict[str, Any]) -> str:
         f"load avg {result['load_average_1m']}{', quick' if result['quick'] else ''}",
         f"both: {s['dtype']}, {s['threads']} thread(s) (vLLM bound to cores {s['vllm_omp_threads_bind']}; flashpage: "
         f"{s['flashpage_cpu_bind']}), "
-        f"max_num_seqs {s['max_num_seqs']}, max_num_batched_tokens {s['max_num_batched_tokens']}, prefix caching "
+        f"max_num_seqs {s['max_num_seqs']}, max_num_batched_tokens {s['max_num_batched_tokens']} (decodes first, "
+        "prefill chunks fill the rest: both schedulers' defaults), prefix caching "
         f"{'on' if s['enable_prefix_caching'] else 'off'}, block size {s['block_size']}, KV pool "
         f"{s['kv_pool_blocks']} blocks ({s['kv_pool_bytes'] / 2**20:.1f} MiB), max_model_len {s['max_model_len']}; "
         "greedy, EOS ignored, all requests at once",

@@ -108,8 +108,8 @@ class LLM:
         dtype / device: for loading from a path.
         check_invariants: verify the block accounting after every step (slow; for tests/debugging).
         max_prefill_with_decodes: prompt tokens a step may carry while it also decodes (default
-            ``max(64, max_num_batched_tokens // 4)``): bounds what prefill adds to running requests'
-            time per output token.
+            ``max_num_batched_tokens``, as vLLM's scheduler); lower bounds what prefill adds to running
+            requests' time per output token, at the cost of more, smaller steps.
         compile: run decode-only steps through ``torch.compile(fullgraph=True)`` padded to batch
             and block-table buckets (CUDA graphs on CUDA). Default: on for CUDA, off on CPU
             (see :func:`flashpage.engine.compiled.default_compile`); off under tensor parallelism.

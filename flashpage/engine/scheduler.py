@@ -59,9 +59,10 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # prompt tokens a step may add while it also decodes: bounds what prefill adds to every running
-        # request's time per output token (vLLM's chunked-prefill budget does the same)
-        self.max_prefill_with_decodes = max_prefill_with_decodes or max(64, max_num_batched_tokens // 4)
+        # prompt tokens a step may add while it also decodes. Default: the whole budget, as vLLM's V1
+        # scheduler (its long_prefill_token_threshold is 0 by default); a lower cap bounds what prefill adds
+        # to every running request's time per output token, at the cost of more, smaller steps
+        self.max_prefill_with_decodes = max_prefill_with_decodes or max_num_batched_tokens
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.num_preemptions = 0

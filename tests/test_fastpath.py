@@ -113,6 +113,27 @@ def test_gated_mlp_probe_and_in_place_product():
     assert torch.allclose(inside, own, atol=1e-5, rtol=1e-5)
 
 
+def test_silu_in_place_never_writes_into_a_view():
+    mlp = tiny_model("llama").model.layers[0].mlp
+    assert fastpath.probe_mlp(mlp) == "silu"
+    fastpath.install_fastpath(torch.nn.Sequential(mlp))
+    x = torch.randn(2, 5, mlp.gate_proj.in_features)
+    own = type(mlp).forward(mlp, x)
+    kept: list[torch.Tensor] = []
+    plain = mlp.gate_proj.forward
+
+    def fused_output_view(t):  # as a fused gate|up GEMM would hand back its gate half
+        both = torch.cat([plain(t), plain(t)], dim=-1)
+        kept.append(both.clone())
+        kept.append(both)
+        return both[..., :mlp.gate_proj.out_features]
+    mlp.gate_proj.forward = fused_output_view
+    with torch.inference_mode(), fastpath.fastpath_scope():
+        inside = mlp(x)
+    assert torch.equal(kept[0], kept[1]), "the other tensor's memory is untouched"
+    assert torch.allclose(inside, own, atol=1e-5, rtol=1e-5)
+
+
 FAMILIES = ["llama", "qwen3", "gemma", "gemma2", "gemma3_text", "mistral", "phi3", "olmo2", "cohere"]
 
 

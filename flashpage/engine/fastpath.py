@@ -11,8 +11,8 @@ calling thread) these run as fewer ops:
 - **rotary**: a modeling module's ``apply_rotary_pos_emb`` that a probe proves equal to
   ``q * cos + rotate_half(q) * sin`` runs as ``addcmul(q * cos, q.roll(D/2), sin_signed)``, with
   ``sin_signed`` (the first half negated) built once per step and shared by every layer;
-- **gated MLPs**: ``down(act(gate(x)) * up(x))`` (act a probed silu / gelu) with the activation and the
-  product in place, no activation module call.
+- **gated MLPs**: ``down(act(gate(x)) * up(x))`` (act a probed silu / gelu) with the activation (silu,
+  unless the gate output is a view of another tensor) and the product in place, no activation module call.
 
 Outside the scope (``model.generate()``, training, other threads, torch.compile traces) every patched
 forward calls the module's own code, so the model computes exactly what it did. Only float32
@@ -219,10 +219,11 @@ def install_rotary(model: torch.nn.Module) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ gated MLPs
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": lambda t: F.silu(t, inplace=True),
+    "silu": F.silu,
     "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
     "gelu": F.gelu,
 }
+_IN_PLACE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": lambda t: F.silu(t, inplace=True)}
 
 
 def probe_mlp(module: torch.nn.Module) -> str | None:
@@ -251,11 +252,19 @@ def probe_mlp(module: torch.nn.Module) -> str | None:
     return None
 
 
+def _owns_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is all of its storage (not a slice of a larger output; views are untracked in
+    inference mode, so ``_base`` cannot tell)."""
+    return t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes
+
+
 def _mlp_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """x (..., hidden) -> (..., hidden): activation and product in place inside the engine's scope."""
     if (not torch.compiler.is_compiling() and _active() and x.dtype == torch.float32 and not args and not kwargs
             and torch.is_inference_mode_enabled()):
-        h = _ACTIVATIONS[self._flashpage_mlp](self.gate_proj(x))
+        gate = self.gate_proj(x)
+        act = _IN_PLACE.get(self._flashpage_mlp) if _owns_storage(gate) else None  # never into a view
+        h = act(gate) if act is not None else _ACTIVATIONS[self._flashpage_mlp](gate)  # a tensor of our own
         return self.down_proj(h.mul_(self.up_proj(x)))
     return type(self).forward(self, x, *args, **kwargs)
 

@@ -176,3 +176,16 @@ def test_llm_tokens_and_logprobs_equal_transformers(model_type, monkeypatch):
             assert abs(lp.logprob - want) < 1e-4, f"{model_type}: logprob {lp.logprob} vs transformers' {want}"
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, before), "outside the engine the model is untouched"
+
+
+def test_bench_counts_fewer_ops_for_each_fused_part():
+    from flashpage.bench import fastpath as bench
+    from flashpage.tiny import tiny_model_path
+
+    result = bench.run(str(tiny_model_path()), tokens=(8,), reps=10)
+    rows = {r["part"]: r for r in result["rows"]}
+    assert rows["norm"]["ops_fused"] == 1 < rows["norm"]["ops_own"]
+    assert rows["rotary"]["ops_fused"] < rows["rotary"]["ops_own"]
+    assert rows["decoder layer"]["ops_fused"] < rows["decoder layer"]["ops_own"]
+    assert all(r["us_fused"] > 0 and r["us_own"] > 0 for r in rows.values())
+    assert "decoder layer" in bench.format_report(result)

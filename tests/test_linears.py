@@ -79,5 +79,8 @@ def test_info_reports_threads_and_linears(monkeypatch):
     assert info["cpu_threads"]["torch_threads"] == torch.get_num_threads()
     assert info["cpu_threads"]["usable_cores"] >= 1
     assert "CPU threads:" in format_info(info) and "oneDNN in LLM steps" in format_info(info)
+    assert "siblings fused when the copies fit" in format_info(info)
+    monkeypatch.setenv(linears.PREPACK_ENV, "0")
+    assert "weights not packed (FLASHPAGE_CPU_PREPACK=0)" in collect_info()["cpu_threads"]["cpu_linears"]
     monkeypatch.setenv(linears.ENV, "torch")
     assert "F.linear" in collect_info()["cpu_threads"]["cpu_linears"]

@@ -27,6 +27,7 @@ class _Block(torch.nn.Module):
         super().__init__()
         self.a, self.b = torch.nn.Linear(16, 8), torch.nn.Linear(16, 4, bias=False)
         self.c, self.d = torch.nn.Linear(16, 6), torch.nn.Linear(8, 5)
+        self.e = torch.nn.Linear(16, 3)  # called only in mode "late" (an expert the probe step did not route to)
         self.mode = "siblings"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -35,7 +36,8 @@ class _Block(torch.nn.Module):
             x.mul_(2.0)  # same tensor object, other values: not siblings
         yb = self.b(x + 1.0 if self.mode == "other_input" else x)
         yc = self.c(x)
-        return torch.cat([self.d(ya), yb, yc], -1)
+        late = [self.e(x)] if self.mode == "late" else []
+        return torch.cat([self.d(ya), yb, yc, *late], -1)
 
 
 def _run(block: _Block, packs: linears.Prepacked, x: torch.Tensor) -> torch.Tensor:
@@ -51,17 +53,17 @@ def _reference(block: _Block, x: torch.Tensor) -> torch.Tensor:
 def test_probe_fuses_siblings_and_falls_back_on_another_input():
     torch.manual_seed(0)
     block = _Block()
-    assert linears.install_onednn_linears(block) == 4
+    assert linears.install_onednn_linears(block) == 5
     packs = linears.Prepacked(block, True)
     x = torch.randn(1, 7, 16)
     first = _run(block, packs, x)  # the probe step: unpacked
     assert packs.state == "packed"
     assert packs.fused() == [(block.a, block.b, block.c)]
-    assert {g.members for g in packs.gemms if len(g.members) == 1} == {(block.d,)}
+    assert {g.members for g in packs.gemms if len(g.members) == 1} == {(block.d,), (block.e,)}
     fused = packs.gemms[0]
     assert fused.sizes == (8, 4, 6) and fused.bias[8:12].abs().sum() == 0  # b has no bias: zeros stacked
     ref = _reference(block, x)
-    for mode in ("siblings", "other_input"):
+    for mode in ("siblings", "other_input", "late"):
         block.mode = mode
         got = _run(block, packs, x)
         assert torch.allclose(got, _reference(block, x), atol=1e-5, rtol=1e-5), mode

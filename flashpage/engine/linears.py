@@ -122,12 +122,27 @@ def onednn_scope(enabled: bool = True, packs: Prepacked | None = None) -> Iterat
 # when the weights change). A compiled engine step therefore calls oneDNN through this opaque op,
 # which reads the current weights on every call.
 _COMPILED_ONEDNN = False  # a plain global: dynamo guards on its value (thread-locals break the graph)
+# weight data_ptr -> (that weight, its packed copy): read by the op when it runs, never traced (no guard),
+# so a repack changes what the next step uses without a recompile
+_COMPILED_PACKS: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @torch.library.custom_op("flashpage::onednn_linear", mutates_args=())
 def onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., in) @ weight (out, in)^T + bias (out,) through oneDNN: (..., out)."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    """x (..., in) @ weight (out, in)^T + bias (out,) through oneDNN: (..., out); with the weight's packed
+    copy when the engine's :class:`Prepacked` has one (see :func:`compiled_scope`)."""
+    packed = _compiled_pack(weight)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight if packed is None else packed, bias, "none",
+                                              [], "")
+
+
+def _compiled_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    table = _COMPILED_PACKS
+    hit = table.get(weight.data_ptr()) if table else None
+    if hit is None or hit[0].shape != weight.shape or hit[0].stride() != weight.stride() \
+            or hit[0].dtype != weight.dtype:
+        return None
+    return hit[1]
 
 
 @onednn_linear_op.register_fake
@@ -141,21 +156,23 @@ def compiled_onednn() -> bool:
 
 
 @contextlib.contextmanager
-def compiled_scope(enabled: bool = True) -> Iterator[None]:
-    """Linears with the oneDNN forward trace to :func:`onednn_linear_op` inside this block (on this thread)."""
-    global _COMPILED_ONEDNN
-    previous = _COMPILED_ONEDNN
+def compiled_scope(enabled: bool = True, packs: Prepacked | None = None) -> Iterator[None]:
+    """Linears with the oneDNN forward trace to :func:`onednn_linear_op` inside this block (on this thread);
+    with ``packs``, the op runs on their packed weights (one per linear: no fused siblings in a graph)."""
+    global _COMPILED_ONEDNN, _COMPILED_PACKS
+    previous = _COMPILED_ONEDNN, _COMPILED_PACKS
     _COMPILED_ONEDNN = enabled
+    _COMPILED_PACKS = packs.compiled_table() if enabled and packs is not None else None
     try:
         yield
     finally:
-        _COMPILED_ONEDNN = previous
+        _COMPILED_ONEDNN, _COMPILED_PACKS = previous
 
 
 # ------------------------------------------------------------------ packed and fused weights
 # oneDNN reorders a plain (out, in) weight into its blocked layout on every call; vLLM's CPU backend
 # packs each weight once; ``_reorder_linear_weight(w, batch_hint)`` does that here. Measured (1 thread,
-# AMD EPYC, AVX-512; README "Engine API"): hint 32 is within noise of the best hint at M = 1..2048 and
+# AMD EPYC, AVX-512; README "Against vLLM", linears): hint 32 is within noise of the best hint at M = 1..2048 and
 # never slower than the plain weight, so one pack serves decode and prefill steps alike.
 PREPACK_ENV = "FLASHPAGE_CPU_PREPACK"
 PACK_BATCH_HINT = 32
@@ -327,6 +344,19 @@ def prepack_wanted(mode: bool | str, nbytes: int) -> tuple[bool, str]:
     return bool(mode), f"cpu_prepack={mode}"
 
 
+def prepack_default() -> str:
+    """What ``LLM(cpu_prepack="auto")`` does here, in words (``flashpage info``)."""
+    env = os.environ.get(PREPACK_ENV, "").strip().lower()
+    if env in ("0", "false", "off", "no"):
+        return f"weights not packed ({PREPACK_ENV}={env})"
+    if env == "unfused":
+        return f"weights packed, siblings not fused ({PREPACK_ENV}={env})"
+    if env in ("1", "true", "on", "yes"):
+        return f"weights packed, siblings fused ({PREPACK_ENV}={env})"
+    return f"weights packed and siblings fused when the copies fit in {AUTO_MEMORY_SHARE:.0%} of available memory " \
+           f"(LLM(cpu_prepack='auto'); {PREPACK_ENV}=0 turns it off)"
+
+
 @dataclass
 class Prepacked:
     """An engine's packed (and fused) copies of its model's float32 CPU linear weights.
@@ -334,7 +364,7 @@ class Prepacked:
     The first engine step inside :func:`onednn_scope` runs unpacked and records which linears receive
     the identical input tensor object one after another under one parent module (q/k/v, gate/up: no
     names involved); after it, each such run becomes one packed GEMM whose output is split (views) back
-    to its members, and every other linear the step called gets its own packed weight. At run time a
+    to its members, and every other linear with the oneDNN forward gets its own packed weight. At run time a
     member other than a group's first gets its view only when it is called on that very tensor object
     (else: its unpacked oneDNN call). :meth:`refresh` repacks after a weight change; the model itself is
     never modified, and nothing is used outside the engine's scope.
@@ -358,6 +388,7 @@ class Prepacked:
     _probe: _Probe | None = field(default=None, repr=False)
     _pending: tuple[torch.Tensor, PackedGemm, list[torch.Tensor | None]] | None = field(default=None, repr=False)
     _steps_seen: int = -1
+    _table: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode is False:
@@ -407,8 +438,25 @@ class Prepacked:
         fuse = self.fuse and os.environ.get(PREPACK_ENV, "").strip().lower() != "unfused"  # A/B of the fusion
         groups = sibling_groups(probe, _parents(self.model)) if fuse else []
         grouped = {id(m) for g in groups for m in g}
-        singles = [[m] for m in probe.seen if id(m) not in grouped and _packable(m)]
-        gemms = [PackedGemm(tuple(g), tuple(m.weight.shape[0] for m in g)) for g in groups + singles]
+        # every other linear alone, those the probe step did not call too (MoE experts it did not route to)
+        others = probe.seen + [m for m in self.model.modules() if _has_onednn_forward(m) and id(m) not in probe.calls]
+        singles = [[m] for m in others if id(m) not in grouped and _packable(m)]
+        self._use([PackedGemm(tuple(g), tuple(m.weight.shape[0] for m in g)) for g in groups + singles])
+
+    def compiled_table(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+        """For a compiled step: each linear's weight (by data_ptr) and its packed copy. A compiled engine
+        runs no probe step: every linear with the oneDNN forward is packed alone at its first call."""
+        if self.state == "probe":
+            self._use([PackedGemm((m,), (m.weight.shape[0],)) for m in self.model.modules()
+                       if _has_onednn_forward(m) and _packable(m)])
+        if self.state != "packed":
+            return None
+        if self._table is None:
+            self._table = {g.members[0].weight.data_ptr(): (g.members[0].weight, g.weight) for g in self.gemms
+                           if len(g.members) == 1 and g.weight is not None}
+        return self._table
+
+    def _use(self, gemms: list[PackedGemm]) -> None:
         wanted, self.reason = prepack_wanted(self.mode, sum(g.nbytes() for g in gemms))
         if not wanted:
             self.state = "off"
@@ -428,6 +476,7 @@ class Prepacked:
         steps = _optimizer_steps()
         everything = everything or steps != self._steps_seen
         self._steps_seen = steps
+        self._table = None
         repacked = 0
         for g in self.gemms:
             if everything or g.current_key() != g.key:
@@ -442,6 +491,11 @@ class Prepacked:
     def nbytes(self) -> int:
         """Bytes of the packed copies."""
         return sum(g.nbytes() for g in self.gemms if g.weight is not None)
+
+
+def _has_onednn_forward(module: torch.nn.Module) -> bool:
+    own = vars(module).get("forward")
+    return type(module) is torch.nn.Linear and getattr(own, "__func__", None) is _onednn_forward
 
 
 def _parents(model: torch.nn.Module) -> dict[int, torch.nn.Module]:

@@ -252,7 +252,7 @@ class LLM:
         self.fastpath = install_fastpath(self.model)
         # CPU: every step kind through one compiled packed forward; CUDA: decode steps as CUDA graphs
         self._compiled_step = CompiledStep(self.model, self._cache, self._cache_kwarg, max_num_batched_tokens,
-                                           self.device, onednn=self._onednn) \
+                                           self.device, onednn=self._onednn, prepack=self._prepack) \
             if use_compile and self.device.type == "cpu" else None
         self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
             if use_compile and self._compiled_step is None else None

@@ -95,11 +95,12 @@ def _threads() -> dict[str, Any]:
 
     cores = usable_cores()
     try:
-        from flashpage.engine.linears import ENV, onednn_available
+        from flashpage.engine.linears import ENV, onednn_available, prepack_default
     except ImportError as exc:  # the engine needs a supported transformers
         linears = f"unavailable ({type(exc).__name__})"
     else:
-        linears = "oneDNN in LLM steps" if onednn_available() else f"torch F.linear ({ENV}=torch or no oneDNN)"
+        linears = f"oneDNN in LLM steps, {prepack_default()}" if onednn_available() \
+            else f"torch F.linear ({ENV}=torch or no oneDNN)"
     return {"torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "usable_cores": len(cores), "cores": format_cores(cores), "cpu_linears": linears}
 

@@ -61,19 +61,22 @@ def test_both_servers_get_the_same_settings():
 
 
 def test_summary_medians_ratios_and_text_comparison():
-    def row(tok_s: float, ttft: float, tpot: float) -> dict:
-        return {"output_tokens_per_s": tok_s, "ttft_p50_ms": ttft, "tpot_p50_ms": tpot, "failed": 0}
+    def row(tok_s: float, ttft: float, tpot: float, e2e: float = 100.0) -> dict:
+        return {"output_tokens_per_s": tok_s, "ttft_p50_ms": ttft, "tpot_p50_ms": tpot, "e2e_p50_ms": e2e,
+                "client_cpu_s": 0.5, "failed": 0}
 
-    s = vs.summarize_rate(float("inf"), [row(100, 20, 4), row(120, 30, 6)], [row(200, 10, 2), row(200, 10, 3)],
-                          ["a", "b", None], ["a", "c", None])
+    s = vs.summarize_rate(float("inf"), [row(100, 20, 4, 300), row(120, 30, 6, 500)],
+                          [row(200, 10, 2), row(200, 10, 3)], ["a", "b", None], ["a", "c", None])
     assert s["rate"] == "inf"
     assert s["flashpage"]["output_tokens_per_s"] == 110 and s["vllm"]["tpot_p50_ms"] == 2.5
-    assert s["ratios"] == {"output_tokens_per_s": 0.55, "ttft_p50_ms": 2.5, "tpot_p50_ms": 2.0}
+    assert s["ratios"] == {"output_tokens_per_s": 0.55, "ttft_p50_ms": 2.5, "tpot_p50_ms": 2.0, "e2e_p50_ms": 4.0}
+    assert s["flashpage"]["client_cpu_s"] == 0.5
     assert (s["identical_requests"], s["requests"], s["differing_requests"]) == (1, 3, [1, 2])
     report = vs.format_report({"model": "m", "vllm_version": "0", "workload": "w", "rounds": 2,
                                "load_average_1m": 1.0, "outputs_agree": False, "rates": [s],
                                "settings": {**Settings().__dict__, "kv_pool_bytes": 1, "max_model_len": 8}})
-    assert "0.55x" in report and "1/3" in report and "greedy outputs identical: False" in report
+    assert "0.55x" in report and "4.00x" in report and "1/3" in report
+    assert "greedy outputs identical: False" in report
 
 
 def test_tpot_is_per_request_time_after_the_first_token():

@@ -165,6 +165,8 @@ def test_llm_compiled_step_follows_weight_updates(model: torch.nn.Module) -> Non
     assert llm.stats().compiled_steps == llm.stats().steps
     assert after == expected_after
     assert after != before  # the update changed the tokens, so the check above could fail
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert llm._prepack.state == "packed" and len(llm._prepack.compiled_table()) == len(linears)  # repacked weights
 
 
 def test_layer_ops_pass_opcheck() -> None:

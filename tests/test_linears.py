@@ -61,9 +61,11 @@ def test_llm_installs_them_and_the_model_outside_is_unchanged(model):
     llm = LLM(model, max_num_seqs=4)
     try:
         assert llm._onednn
+        assert llm._prepack is not None and llm._prepack.state == "probe"  # packs after its first step
         prompts = random_prompts(3, 5, 40, seed=3)
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
         assert_matches_hf(model, prompts, [o.outputs[0] for o in outs], 8, eos=False)
+        assert llm._prepack.state == "packed", llm._prepack.reason
     finally:
         unpatch(model)
     with torch.no_grad():
@@ -77,5 +79,8 @@ def test_info_reports_threads_and_linears(monkeypatch):
     assert info["cpu_threads"]["torch_threads"] == torch.get_num_threads()
     assert info["cpu_threads"]["usable_cores"] >= 1
     assert "CPU threads:" in format_info(info) and "oneDNN in LLM steps" in format_info(info)
+    assert "siblings fused when the copies fit" in format_info(info)
+    monkeypatch.setenv(linears.PREPACK_ENV, "0")
+    assert "weights not packed (FLASHPAGE_CPU_PREPACK=0)" in collect_info()["cpu_threads"]["cpu_linears"]
     monkeypatch.setenv(linears.ENV, "torch")
     assert "F.linear" in collect_info()["cpu_threads"]["cpu_linears"]

@@ -154,6 +154,7 @@ class CompiledStep:
     max_num_batched_tokens: int
     device: torch.device
     onednn: bool = False
+    prepack: Any = None  # the engine's linears.Prepacked: the oneDNN op runs on packed weights
     dynamic: bool = True
     fn: Any = None
     steps: int = 0
@@ -199,7 +200,7 @@ class CompiledStep:
         self.cache.step = PackedStep(plan, slots)
         self.shapes.add(tp)
         self.kinds[step_kind(plan.query_lens, plan.context_lens)] += 1
-        with planned_forward(self.model, self.cache), current_step(real), compiled_scope(self.onednn):
+        with planned_forward(self.model, self.cache), current_step(real), compiled_scope(self.onednn, self.prepack):
             out = self.fn(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=rows,
                           **{self.cache_kwarg: self.cache})
         self.steps += 1

@@ -13,6 +13,13 @@ other than the engine's: inductor cannot lower the op on non-constant weights), 
 the engine computes exactly what it did. A compiled engine step traces them to the opaque
 ``flashpage::onednn_linear`` op (:func:`compiled_scope`). Results differ from MKL's by float32
 rounding (~1e-6 relative), like any two GEMM libraries. ``FLASHPAGE_CPU_LINEAR=torch`` turns it off.
+
+Packed and fused weights (:class:`Prepacked`, ``LLM(cpu_prepack=...)``): as vLLM's CPU backend, the
+engine keeps each weight in oneDNN's blocked layout (packed once, not reordered on every call), and
+stacks sibling linears that read the same input tensor (q/k/v, gate/up; found by a probe of the first
+step, never by name) into one GEMM whose output is split into views. The copies live in the engine,
+not in the model; they are repacked when the :class:`~flashpage.engine.weights.WeightWatcher` sees
+the weights change (only the changed GEMMs when the change shows on the tensors themselves).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import os
 import threading
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +50,11 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if _COMPILED_ONEDNN and x.dtype == torch.float32:
             return onednn_linear_op(x, self.weight, self.bias)
     elif _active() and x.dtype == torch.float32:
+        packs = _STATE.packs
+        if packs is not None:
+            out = packs.linear(self, x)
+            if out is not None:
+                return out
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
     return F.linear(x, self.weight, self.bias)
 
@@ -81,16 +94,26 @@ def install_onednn_linears(model: Any) -> int:
 
 
 @contextlib.contextmanager
-def onednn_scope(enabled: bool = True) -> Iterator[None]:
-    """Linears with the oneDNN forward use it inside this block, on this thread."""
+def onednn_scope(enabled: bool = True, packs: Prepacked | None = None) -> Iterator[None]:
+    """Linears with the oneDNN forward use it inside this block, on this thread; with ``packs``, through
+    its packed (and fused) weights (the first such block probes which linears are siblings, then packs)."""
     if not enabled:
         yield
         return
     _STATE.depth = getattr(_STATE, "depth", 0) + 1
+    previous = getattr(_STATE, "packs", None)
+    _STATE.packs = packs
+    if packs is not None:
+        packs.begin_step()
+    ok = False
     try:
         yield
+        ok = True
     finally:
         _STATE.depth -= 1
+        _STATE.packs = previous
+        if packs is not None:
+            packs.end_step(ok)
 
 
 # ------------------------------------------------------------------ compiled graphs
@@ -99,12 +122,27 @@ def onednn_scope(enabled: bool = True) -> Iterator[None]:
 # when the weights change). A compiled engine step therefore calls oneDNN through this opaque op,
 # which reads the current weights on every call.
 _COMPILED_ONEDNN = False  # a plain global: dynamo guards on its value (thread-locals break the graph)
+# weight data_ptr -> (that weight, its packed copy): read by the op when it runs, never traced (no guard),
+# so a repack changes what the next step uses without a recompile
+_COMPILED_PACKS: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @torch.library.custom_op("flashpage::onednn_linear", mutates_args=())
 def onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., in) @ weight (out, in)^T + bias (out,) through oneDNN: (..., out)."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    """x (..., in) @ weight (out, in)^T + bias (out,) through oneDNN: (..., out); with the weight's packed
+    copy when the engine's :class:`Prepacked` has one (see :func:`compiled_scope`)."""
+    packed = _compiled_pack(weight)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight if packed is None else packed, bias, "none",
+                                              [], "")
+
+
+def _compiled_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    table = _COMPILED_PACKS
+    hit = table.get(weight.data_ptr()) if table else None
+    if hit is None or hit[0].shape != weight.shape or hit[0].stride() != weight.stride() \
+            or hit[0].dtype != weight.dtype:
+        return None
+    return hit[1]
 
 
 @onednn_linear_op.register_fake
@@ -118,12 +156,354 @@ def compiled_onednn() -> bool:
 
 
 @contextlib.contextmanager
-def compiled_scope(enabled: bool = True) -> Iterator[None]:
-    """Linears with the oneDNN forward trace to :func:`onednn_linear_op` inside this block (on this thread)."""
-    global _COMPILED_ONEDNN
-    previous = _COMPILED_ONEDNN
+def compiled_scope(enabled: bool = True, packs: Prepacked | None = None) -> Iterator[None]:
+    """Linears with the oneDNN forward trace to :func:`onednn_linear_op` inside this block (on this thread);
+    with ``packs``, the op runs on their packed weights (one per linear: no fused siblings in a graph)."""
+    global _COMPILED_ONEDNN, _COMPILED_PACKS
+    previous = _COMPILED_ONEDNN, _COMPILED_PACKS
     _COMPILED_ONEDNN = enabled
+    _COMPILED_PACKS = packs.compiled_table() if enabled and packs is not None else None
     try:
         yield
     finally:
-        _COMPILED_ONEDNN = previous
+        _COMPILED_ONEDNN, _COMPILED_PACKS = previous
+
+
+# ------------------------------------------------------------------ packed and fused weights
+# oneDNN reorders a plain (out, in) weight into its blocked layout on every call; vLLM's CPU backend
+# packs each weight once; ``_reorder_linear_weight(w, batch_hint)`` does that here. Measured (1 thread,
+# AMD EPYC, AVX-512; README "Against vLLM", linears): hint 32 is within noise of the best hint at M = 1..2048 and
+# never slower than the plain weight, so one pack serves decode and prefill steps alike.
+PREPACK_ENV = "FLASHPAGE_CPU_PREPACK"
+PACK_BATCH_HINT = 32
+AUTO_MEMORY_SHARE = 0.25  # "auto" packs when the copies take at most this share of available memory
+
+
+def _linear_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+def _tensor_key(t: torch.Tensor | None) -> tuple:
+    """What a weight is now: its object, storage, in-place version, shape and dtype (no data read)."""
+    if t is None:
+        return ()
+    return id(t), t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device.type
+
+
+def _packable(module: torch.nn.Linear) -> bool:
+    w = module.weight
+    b = module.bias
+    plain = type(w) in (torch.Tensor, torch.nn.Parameter)  # not a DTensor (tensor parallel) or other subclass
+    return (plain and w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
+            and (b is None or (b.dtype == torch.float32 and b.device.type == "cpu" and b.dim() == 1)))
+
+
+@dataclass
+class PackedGemm:
+    """One packed GEMM: one linear, or sibling linears fused (weights stacked along ``out``).
+
+    Attributes:
+        members: the linears, in the order a step calls them (the first computes everyone's output).
+        sizes: each member's ``out_features``; the GEMM's output (..., sum(sizes)) splits into them.
+        weight: oneDNN's packed (sum(sizes), in) weight; None while not packable (runs unpacked).
+        bias: (sum(sizes),) stacked biases (zeros for a member without one), the member's own bias
+            (a single linear), or None.
+        key: the members' weights and biases as they were when packed (:func:`_tensor_key`).
+    """
+
+    members: tuple[torch.nn.Linear, ...]
+    sizes: tuple[int, ...]
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    key: tuple = ()
+
+    def current_key(self) -> tuple:
+        return tuple((_tensor_key(m.weight), _tensor_key(m.bias)) for m in self.members)
+
+    def pack(self) -> None:
+        """(Re)build the packed weight from the members' current weights (all of them)."""
+        self.key = self.current_key()
+        if not all(_packable(m) for m in self.members):
+            self.weight = self.bias = None
+            return
+        with torch.no_grad():
+            if len(self.members) == 1:
+                m = self.members[0]
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_BATCH_HINT)
+                self.bias = m.bias.detach() if m.bias is not None else None
+                return
+            stacked = torch.cat([m.weight.detach() for m in self.members])
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, PACK_BATCH_HINT)
+            if all(m.bias is None for m in self.members):
+                self.bias = None
+            else:
+                self.bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(n)
+                                       for m, n in zip(self.members, self.sizes, strict=True)])
+
+    def nbytes(self) -> int:
+        return sum(m.weight.numel() * m.weight.element_size() for m in self.members)
+
+
+@dataclass
+class _Probe:
+    """The first packed step's record: runs of consecutive linear calls on one input tensor object.
+
+    Attributes:
+        runs: closed runs (linears that received the same tensor, with the same values, one after another).
+        calls: how many times each linear (by id) was called in the step.
+        seen: every linear called, in call order.
+    """
+
+    runs: list[list[torch.nn.Linear]] = field(default_factory=list)
+    calls: dict[int, int] = field(default_factory=dict)
+    seen: list[torch.nn.Linear] = field(default_factory=list)
+    _x: torch.Tensor | None = None
+    _snapshot: torch.Tensor | None = None
+    _run: list[torch.nn.Linear] = field(default_factory=list)
+
+    def record(self, module: torch.nn.Linear, x: torch.Tensor) -> None:
+        first = id(module) not in self.calls
+        self.calls[id(module)] = self.calls.get(id(module), 0) + 1
+        if first:
+            self.seen.append(module)
+        same = (self._x is x and self._snapshot is not None and self._snapshot.shape == x.shape
+                and torch.equal(self._snapshot, x))  # not written in place since the run began
+        if same:
+            self._run.append(module)
+            return
+        self.close()
+        self._x, self._snapshot, self._run = x, x.detach().clone(), [module]
+
+    def close(self) -> None:
+        if len(self._run) > 1:
+            self.runs.append(self._run)
+        self._x = self._snapshot = None
+        self._run = []
+
+
+def sibling_groups(probe: _Probe, parents: dict[int, torch.nn.Module | None]) -> list[list[torch.nn.Linear]]:
+    """Runs of the probe whose linears share one parent module, are each called once per step and are
+    packable together (same input width); a run split where these break."""
+    groups = []
+    for run in probe.runs:
+        current: list[torch.nn.Linear] = []
+        for m in run:
+            fits = (probe.calls[id(m)] == 1 and _packable(m) and m not in current
+                    and (not current or (parents.get(id(m)) is parents.get(id(current[0]))
+                                         and parents.get(id(m)) is not None
+                                         and m.weight.shape[1] == current[0].weight.shape[1])))
+            if fits:
+                current.append(m)
+                continue
+            if len(current) > 1:
+                groups.append(current)
+            current = [m] if probe.calls[id(m)] == 1 and _packable(m) else []
+        if len(current) > 1:
+            groups.append(current)
+    return groups
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux ``MemAvailable``), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_prepack_mode(mode: Any) -> bool | str:
+    """``LLM(cpu_prepack=...)``: "auto", True or False, else a ValueError saying so."""
+    if mode is True or mode is False or mode == "auto":
+        return mode
+    raise ValueError(f"LLM(cpu_prepack={mode!r}): expected 'auto', True or False (auto: pack the float32 CPU "
+                     f"linears' weights for oneDNN when the copies take <= {AUTO_MEMORY_SHARE:.0%} of available "
+                     f"memory; {PREPACK_ENV}=0 turns 'auto' off)")
+
+
+def prepack_wanted(mode: bool | str, nbytes: int) -> tuple[bool, str]:
+    """Whether to pack ``nbytes`` of weight copies under ``mode``, and why (for logs and tests)."""
+    if mode is not True and mode is not False:
+        env = os.environ.get(PREPACK_ENV, "").strip().lower()
+        if env in ("0", "false", "off", "no"):
+            return False, f"{PREPACK_ENV}={env}"
+        if env in ("1", "true", "on", "yes", "unfused"):
+            return True, f"{PREPACK_ENV}={env}"
+        avail = available_memory()
+        if avail is None:
+            return False, "auto: available memory unknown"
+        ok = nbytes <= AUTO_MEMORY_SHARE * avail
+        return ok, f"auto: {nbytes / 2**20:.0f} MiB of copies {'<=' if ok else '>'} " \
+                   f"{AUTO_MEMORY_SHARE:.0%} of {avail / 2**30:.1f} GiB available"
+    return bool(mode), f"cpu_prepack={mode}"
+
+
+def prepack_default() -> str:
+    """What ``LLM(cpu_prepack="auto")`` does here, in words (``flashpage info``)."""
+    env = os.environ.get(PREPACK_ENV, "").strip().lower()
+    if env in ("0", "false", "off", "no"):
+        return f"weights not packed ({PREPACK_ENV}={env})"
+    if env == "unfused":
+        return f"weights packed, siblings not fused ({PREPACK_ENV}={env})"
+    if env in ("1", "true", "on", "yes"):
+        return f"weights packed, siblings fused ({PREPACK_ENV}={env})"
+    return f"weights packed and siblings fused when the copies fit in {AUTO_MEMORY_SHARE:.0%} of available memory " \
+           f"(LLM(cpu_prepack='auto'); {PREPACK_ENV}=0 turns it off)"
+
+
+@dataclass
+class Prepacked:
+    """An engine's packed (and fused) copies of its model's float32 CPU linear weights.
+
+    The first engine step inside :func:`onednn_scope` runs unpacked and records which linears receive
+    the identical input tensor object one after another under one parent module (q/k/v, gate/up: no
+    names involved); after it, each such run becomes one packed GEMM whose output is split (views) back
+    to its members, and every other linear with the oneDNN forward gets its own packed weight. At run time a
+    member other than a group's first gets its view only when it is called on that very tensor object
+    (else: its unpacked oneDNN call). :meth:`refresh` repacks after a weight change; the model itself is
+    never modified, and nothing is used outside the engine's scope.
+
+    Attributes:
+        model: the model whose linears are packed.
+        mode: ``"auto"``, True or False (see :func:`prepack_wanted`).
+        fuse: stack sibling linears into one GEMM (False: every linear packed alone).
+        state: "probe" (the next step records), "packed", or "off".
+        reason: why packing is on or off.
+        gemms: the packed GEMMs.
+    """
+
+    model: torch.nn.Module
+    mode: bool | str = "auto"
+    fuse: bool = True
+    state: str = "probe"
+    reason: str = ""
+    gemms: list[PackedGemm] = field(default_factory=list)
+    _by_module: dict[int, tuple[PackedGemm, int]] = field(default_factory=dict, repr=False)
+    _probe: _Probe | None = field(default=None, repr=False)
+    _pending: tuple[torch.Tensor, PackedGemm, list[torch.Tensor | None]] | None = field(default=None, repr=False)
+    _steps_seen: int = -1
+    _table: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mode is False:
+            self.state, self.reason = "off", "cpu_prepack=False"
+
+    # ---------------------------------------------------------------- the hot path
+    def linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """(..., in) -> (..., out) through the packed weights, or None: the caller runs it unpacked."""
+        hit = self._by_module.get(id(module))
+        if hit is None:
+            if self._probe is not None:
+                self._probe.record(module, x)
+            return None
+        gemm, index = hit
+        if gemm.weight is None:
+            return None
+        if len(gemm.sizes) == 1:
+            return _linear_call(x, gemm.weight, gemm.bias)
+        if index == 0:
+            parts: list[torch.Tensor | None] = list(_linear_call(x, gemm.weight, gemm.bias).split(gemm.sizes, -1))
+            self._pending = (x, gemm, parts)
+            return parts[0]
+        pending = self._pending
+        if pending is None or pending[0] is not x or pending[1] is not gemm or pending[2][index] is None:
+            return None  # not the input the group's first member computed for: the member's own call
+        out, pending[2][index] = pending[2][index], None
+        return out
+
+    def begin_step(self) -> None:
+        """Called before a scoped step: the first one records the probe."""
+        if self.state == "probe" and self._probe is None:
+            self._probe = _Probe()
+
+    def end_step(self, ok: bool = True) -> None:
+        """Called when a scoped step ends: drop its pending outputs; pack after a probe step that completed
+        (one that raised is probed again by the next step)."""
+        self._pending = None
+        probe, self._probe = self._probe, None
+        if probe is not None and ok:
+            probe.close()
+            self._build(probe)
+
+    # ---------------------------------------------------------------- building and refreshing
+    def _build(self, probe: _Probe) -> None:
+        if not probe.seen:
+            return  # nothing called (a stateful step): probe the next one
+        fuse = self.fuse and os.environ.get(PREPACK_ENV, "").strip().lower() != "unfused"  # A/B of the fusion
+        groups = sibling_groups(probe, _parents(self.model)) if fuse else []
+        grouped = {id(m) for g in groups for m in g}
+        # every other linear alone, those the probe step did not call too (MoE experts it did not route to)
+        others = probe.seen + [m for m in self.model.modules() if _has_onednn_forward(m) and id(m) not in probe.calls]
+        singles = [[m] for m in others if id(m) not in grouped and _packable(m)]
+        self._use([PackedGemm(tuple(g), tuple(m.weight.shape[0] for m in g)) for g in groups + singles])
+
+    def compiled_table(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+        """For a compiled step: each linear's weight (by data_ptr) and its packed copy. A compiled engine
+        runs no probe step: every linear with the oneDNN forward is packed alone at its first call."""
+        if self.state == "probe":
+            self._use([PackedGemm((m,), (m.weight.shape[0],)) for m in self.model.modules()
+                       if _has_onednn_forward(m) and _packable(m)])
+        if self.state != "packed":
+            return None
+        if self._table is None:
+            self._table = {g.members[0].weight.data_ptr(): (g.members[0].weight, g.weight) for g in self.gemms
+                           if len(g.members) == 1 and g.weight is not None}
+        return self._table
+
+    def _use(self, gemms: list[PackedGemm]) -> None:
+        wanted, self.reason = prepack_wanted(self.mode, sum(g.nbytes() for g in gemms))
+        if not wanted:
+            self.state = "off"
+            return
+        for g in gemms:
+            g.pack()
+        self.gemms = gemms
+        self._by_module = {id(m): (g, i) for g in gemms for i, m in enumerate(g.members)}
+        self._steps_seen = _optimizer_steps()
+        self.state = "packed"
+
+    def refresh(self, everything: bool = False) -> int:
+        """After a weight change: repack what changed (every GEMM when ``everything``, or when an optimizer
+        stepped since: fused optimizers write without bumping version counters). Returns GEMMs repacked."""
+        if self.state != "packed":
+            return 0
+        steps = _optimizer_steps()
+        everything = everything or steps != self._steps_seen
+        self._steps_seen = steps
+        self._table = None
+        repacked = 0
+        for g in self.gemms:
+            if everything or g.current_key() != g.key:
+                g.pack()
+                repacked += 1
+        return repacked
+
+    def fused(self) -> list[tuple[torch.nn.Linear, ...]]:
+        """The groups of linears that run as one GEMM."""
+        return [g.members for g in self.gemms if len(g.members) > 1]
+
+    def nbytes(self) -> int:
+        """Bytes of the packed copies."""
+        return sum(g.nbytes() for g in self.gemms if g.weight is not None)
+
+
+def _has_onednn_forward(module: torch.nn.Module) -> bool:
+    own = vars(module).get("forward")
+    return type(module) is torch.nn.Linear and getattr(own, "__func__", None) is _onednn_forward
+
+
+def _parents(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Each submodule's parent module in the module tree, by id."""
+    return {id(child): module for module in model.modules() for child in module.children()}
+
+
+def _optimizer_steps() -> int:
+    from flashpage.engine.weights import OPTIMIZER_STEPS
+
+    return OPTIMIZER_STEPS.steps

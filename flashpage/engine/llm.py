@@ -28,7 +28,7 @@ from flashpage.engine.fastpath import fastpath_scope, install_fastpath
 from flashpage.engine.generation_config import ModelProcessors, config_diff, sampling_defaults, unapplied_fields
 from flashpage.engine.generation_config import check_mode as check_generation_mode
 from flashpage.engine.limits import context_overflow
-from flashpage.engine.linears import install_onednn_linears, onednn_scope
+from flashpage.engine.linears import Prepacked, check_prepack_mode, install_onednn_linears, onednn_scope
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.positions import EnginePositions, honours_logits_to_keep, kept_rows
@@ -121,6 +121,10 @@ class LLM:
             (``forced_eos_token_id``, ``suppress_tokens``, ``begin_suppress_tokens``, ``forced_bos_token_id``,
             ``no_repeat_ngram_size``) apply to every request as in ``generate()``; other fields that would
             change ``generate()``'s tokens are named in a warning. ``"vllm"``: ignore it (neutral defaults).
+        cpu_prepack: CPU float32: keep oneDNN-packed copies of the linear weights, sibling linears that read
+            the same input (q/k/v, gate/up) stacked into one GEMM (``engine/linears.py``). ``"auto"``
+            (default): when the copies take <= 25% of available memory (``FLASHPAGE_CPU_PREPACK=0`` turns
+            it off, ``=1`` on); True / False: always / never. Repacked when the weights change.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, block_size: int | None = None,
@@ -130,10 +134,11 @@ class LLM:
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  check_invariants: bool = False, compile: bool | None = None,
                  max_prefill_with_decodes: int | None = None, tensor_parallel_size: int | None = None,
-                 generation_config: str = "auto") -> None:
+                 generation_config: str = "auto", cpu_prepack: bool | str = "auto") -> None:
         require_supported_transformers()  # before loading anything: say at once why not
         check_device(device)
         generation_config = check_generation_mode(generation_config)
+        cpu_prepack = check_prepack_mode(cpu_prepack)
         if isinstance(model, (str, os.PathLike)):
             model, tokenizer = _load(model, tokenizer, dtype, device, tensor_parallel_size)
         else:
@@ -241,11 +246,13 @@ class LLM:
             use_compile = False
         # CPU float32: linears through oneDNN inside the engine's eager forwards (engine/linears.py)
         self._onednn = self.device.type == "cpu" and install_onednn_linears(self.model) > 0
+        # ... with their weights packed (and siblings fused) once, as vLLM's CPU backend does (engine/linears.py)
+        self._prepack = Prepacked(self.model, cpu_prepack) if self._onednn else None
         # fused norms / rotary / gated-MLP activations inside the engine's eager forwards (engine/fastpath.py)
         self.fastpath = install_fastpath(self.model)
         # CPU: every step kind through one compiled packed forward; CUDA: decode steps as CUDA graphs
         self._compiled_step = CompiledStep(self.model, self._cache, self._cache_kwarg, max_num_batched_tokens,
-                                           self.device, onednn=self._onednn) \
+                                           self.device, onednn=self._onednn, prepack=self._prepack) \
             if use_compile and self.device.type == "cpu" else None
         self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
             if use_compile and self._compiled_step is None else None
@@ -370,6 +377,8 @@ class LLM:
         sees the weights change (see :mod:`flashpage.engine.weights`); call it after changes it cannot
         see (writes through ``param.data`` in place). Returns True."""
         forget_kv(self.scheduler, self.kv)
+        if self._prepack is not None:
+            self._prepack.refresh(everything=True)
         return True
 
     @property
@@ -381,6 +390,8 @@ class LLM:
         """Once per generate()/stream()/step() call: KV computed with older weights is never reused."""
         if self._weights.changed(full=full):
             forget_kv(self.scheduler, self.kv)
+            if self._prepack is not None:  # packed copies of the old weights: repack what changed
+                self._prepack.refresh(everything=not self._weights.per_tensor)
 
     # ---------------------------------------------------------------- inner
     def _exclusive(self, what: str):
@@ -610,8 +621,8 @@ class LLM:
                 self._cache.set_plan(plan, self.device)
                 position_ids = torch.tensor([pos], device=self.device)
                 keep_rows = torch.tensor(keep, dtype=torch.long, device=self.device)
-                with torch.inference_mode(), self._positions_for(position_ids), onednn_scope(self._onednn), \
-                        fastpath_scope(self.fastpath.any):
+                with torch.inference_mode(), self._positions_for(position_ids), \
+                        onednn_scope(self._onednn, self._prepack), fastpath_scope(self.fastpath.any):
                     logits = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=position_ids,
                                         use_cache=True, logits_to_keep=keep_rows,
                                         **{self._cache_kwarg: self._cache}).logits[0]

@@ -95,10 +95,14 @@ class WeightWatcher:
 
     Attributes:
         version: how many weight changes were seen (0: the weights the watcher started with).
+        per_tensor: whether the latest change shows on the changed tensors themselves (version counter,
+            storage, new tensor objects), so a consumer may refresh only those; False when it came from an
+            optimizer step, a PEFT adapter or ``extra`` (any weight may have changed in place).
     """
 
     model: torch.nn.Module
     version: int = 0
+    per_tensor: bool = False
     _last: tuple | None = field(default=None, repr=False)
     _tensors: list[torch.Tensor] = field(default_factory=list, repr=False)
     _adapters: int = 0
@@ -121,6 +125,7 @@ class WeightWatcher:
         now = _fingerprint(self._tensors, self._adapters, extra)
         if now == self._last:
             return False
+        self.per_tensor = self._last is not None and now[3:] == self._last[3:]
         self._last = now
         self.version += 1
         return True

@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -347,7 +347,7 @@ async def _submit(state: ServerState, prompts: list[Any], params: SamplingParams
 
 async def _final(stream: RequestStream) -> RequestOutput:
     last = None
-    async for out in stream:
+    async for out in stream.latest():
         last = out
     assert last is not None
     return last
@@ -442,12 +442,29 @@ class _Job:
         return body
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) from every stream as they come; aborts all on exit or failure."""
+        """(prompt index, output) from every stream as they come, the newest only where the client fell
+        behind (outputs are cumulative: nothing is lost); aborts all on exit or failure."""
+        try:
+            if len(self.streams) == 1:  # the common case: no pump task, no queue
+                async for out in self.streams[0].latest():
+                    self.latest[0] = out
+                    yield 0, out
+            else:
+                async with aclosing(self._merged()) as merged:  # its pump tasks end with this generator
+                    async for i, out in merged:
+                        yield i, out
+        finally:
+            for s in self.streams:
+                if not s.done:
+                    self.state.engine.abort(s.request_id)
+
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every stream's outputs through one queue, in arrival order."""
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
         async def pump(i: int, s: RequestStream) -> None:
             try:
-                async for out in s:
+                async for out in s.latest():
                     queue.put_nowait((i, out))
             except Exception as exc:  # a failed step (RequestFailedError) or a closed engine
                 queue.put_nowait((i, exc))
@@ -468,9 +485,6 @@ class _Job:
         finally:
             for t in tasks:
                 t.cancel()
-            for s in self.streams:
-                if not s.done:
-                    self.state.engine.abort(s.request_id)
 
     async def _guarded(self, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         """Pass events through; a failed request becomes one error event (then the stream ends)."""

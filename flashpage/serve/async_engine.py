@@ -5,6 +5,11 @@ between steps, calls ``LLM.step()`` while there is work, and hands each request'
 :class:`RequestStream`. Any thread or event loop may add, abort and read streams; only the engine
 thread touches the ``LLM`` (``stats()`` takes the same lock, so it never sees half a step).
 
+The hand-off costs the engine one ``call_soon_threadsafe`` per event loop per step (all of the step's
+streams woken together), not one per request and token; a consumer that falls behind may read only
+the newest output (:meth:`RequestStream.latest`: outputs are cumulative, so nothing is lost), as
+vLLM's output collector merges outputs its API server has not sent yet.
+
 - ``abort()`` of an unknown or ended id is a no-op; an aborted request's stream ends with one final
   output whose finish_reason is "abort".
 - A step that raises fails only the requests it was computing (``LLM.step_request_ids``): their
@@ -78,20 +83,20 @@ class RequestStream:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_close = on_close
         self._accepted = False
+        self._stash: Any = None  # an item read ahead by latest(), returned by the next read
         self.done = False
 
     # engine thread ------------------------------------------------------------------
-    def _put(self, item: Any) -> None:
+    def _put(self, item: Any) -> asyncio.AbstractEventLoop | None:
+        """Queue ``item``; returns the event loop whose consumer must be woken (see :class:`_Wakeups`)."""
         self._items.put(item)
-        loop = self._loop
-        if loop is not None:
-            try:
-                loop.call_soon_threadsafe(self._wake.set)
-            except RuntimeError:  # the consumer's loop is closed: nobody reads this stream any more
-                self._on_close(self.request_id)
+        return self._loop
 
     # consumers ----------------------------------------------------------------------
     async def _get(self) -> Any:
+        if self._stash is not None:
+            item, self._stash = self._stash, None
+            return item
         self._loop = asyncio.get_running_loop()
         while True:
             try:
@@ -117,13 +122,34 @@ class RequestStream:
             self.done = True
         return item
 
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._aiter()
+    async def _get_latest(self) -> Any:
+        """The next item, or when several outputs are queued the newest of them: outputs are
+        cumulative, so the newest holds everything the skipped ones did (vLLM's output collector)."""
+        item = await self._get()
+        while isinstance(item, RequestOutput) and not item.finished:
+            try:
+                nxt = self._items.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(nxt, RequestOutput):
+                item = nxt
+            else:  # a failure after the outputs: reported by the next read
+                self._stash = nxt
+                break
+        return item
 
-    async def _aiter(self) -> AsyncIterator[RequestOutput]:
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._aiter(coalesce=False)
+
+    def latest(self) -> AsyncIterator[RequestOutput]:
+        """Like ``async for``, but a consumer that fell behind gets only the newest of the outputs
+        queued meanwhile (one cumulative snapshot instead of one per engine step), the final one always."""
+        return self._aiter(coalesce=True)
+
+    async def _aiter(self, coalesce: bool) -> AsyncIterator[RequestOutput]:
         try:
             while not self.done:
-                out = self._check(await self._get())
+                out = self._check(await (self._get_latest() if coalesce else self._get()))
                 if out is not None:
                     yield out
         finally:
@@ -133,12 +159,44 @@ class RequestStream:
     def __iter__(self) -> Iterator[RequestOutput]:
         try:
             while not self.done:
-                out = self._check(self._items.get())
+                if self._stash is not None:
+                    item, self._stash = self._stash, None
+                else:
+                    item = self._items.get()
+                out = self._check(item)
                 if out is not None:
                     yield out
         finally:
             if not self.done:
                 self._on_close(self.request_id)
+
+
+class _Wakeups:
+    """Streams given items during one engine iteration, woken together: one
+    ``call_soon_threadsafe`` per event loop per iteration (not one per request and token), so the
+    engine thread gives the loop one hand-off per step and the loop wakes its consumers in one go."""
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[RequestStream]] = {}
+
+    def put(self, stream: RequestStream, item: Any) -> None:
+        loop = stream._put(item)
+        if loop is not None:
+            self._by_loop.setdefault(loop, []).append(stream)
+
+    def flush(self) -> None:
+        pending, self._by_loop = self._by_loop, {}
+        for loop, streams in pending.items():
+            try:
+                loop.call_soon_threadsafe(_wake_all, streams)
+            except RuntimeError:  # the consumers' loop is closed: nobody reads these streams any more
+                for stream in streams:
+                    stream._on_close(stream.request_id)
+
+
+def _wake_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream._wake.set()
 
 
 @dataclass
@@ -195,6 +253,7 @@ class AsyncLLM:
         self._accepting = True
         self._stopping = False
         self._snapshot = llm.stats()
+        self._wakeups = _Wakeups()  # engine thread only
         self.failed_steps = 0
         self.dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="flashpage-engine", daemon=True)
@@ -271,6 +330,11 @@ class AsyncLLM:
         return self._snapshot
 
     @property
+    def engine_thread_id(self) -> int | None:
+        """The engine thread's native (OS) id, e.g. to bind it to cores."""
+        return self._thread.native_id
+
+    @property
     def num_unfinished(self) -> int:
         with self._cv:
             return len(self._pending_streams) + self._num_live
@@ -313,6 +377,7 @@ class AsyncLLM:
                         self._step()
                     self._busy = self.llm.has_unfinished_requests()
                     self._snapshot = self.llm.stats()
+                self._wakeups.flush()
         except BaseException as exc:  # a bug in the loop itself: fail everything, refuse new work
             log.exception("engine loop died")
             self.dead = exc
@@ -332,11 +397,11 @@ class AsyncLLM:
         try:
             self.llm.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id)
         except Exception as exc:  # invalid input: the caller gets the error, nothing was queued
-            stream._put(_Failed(exc))
+            self._wakeups.put(stream, _Failed(exc))
             return
         self._live[cmd.request_id] = _Live(stream, cmd.arrival)
         self._set_live_count()
-        stream._put(_Accepted())
+        self._wakeups.put(stream, _Accepted())
 
     def _step(self) -> None:
         try:
@@ -358,7 +423,7 @@ class AsyncLLM:
             _call(self.on_tokens, TokenEvent(out.request_id, new, first, since))
         if new:
             live.last_delivery = now
-        live.stream._put(out)
+        self._wakeups.put(live.stream, out)
         if out.finished:
             self._end(out.request_id)
             if self.on_finish is not None:
@@ -378,7 +443,7 @@ class AsyncLLM:
             live = self._live.get(rid)
             self.llm.abort(rid)  # frees its blocks; the abort report that follows is ignored
             if live is not None:
-                live.stream._put(_Failed(error))
+                self._wakeups.put(live.stream, _Failed(error))
                 self._end(rid)
 
     def _end(self, rid: str) -> None:
@@ -398,7 +463,7 @@ class AsyncLLM:
                 self._commands = []
             closed = EngineClosedError("the server shut down before this request finished")
             for stream in pending:
-                stream._put(_Failed(closed))
+                self._wakeups.put(stream, _Failed(closed))
             for rid in list(self._live):
                 self.llm.abort(rid)
             for _ in range(3):
@@ -409,9 +474,10 @@ class AsyncLLM:
                 except Exception:  # reporting failed: fall through to failing the streams
                     break
             for rid, live in list(self._live.items()):
-                live.stream._put(_Failed(closed))
+                self._wakeups.put(live.stream, _Failed(closed))
                 self._end(rid)
             self._snapshot = self.llm.stats()
+            self._wakeups.flush()
 
 
 def _call(callback: Callable[[Any], None], arg: Any) -> None:

@@ -11,6 +11,7 @@ during the drain aborts what runs and exits at once.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
@@ -122,6 +123,26 @@ def _dtype(name: str | None) -> dict[str, Any]:
     return {"dtype": value}
 
 
+def bind_engine_threads(spec: str, engine: AsyncLLM) -> str:
+    """Bind the engine thread (and the OpenMP threads it starts) to the cores ``spec`` names, as
+    vLLM binds its engine process; the HTTP front (event loop, tokenizer threads) keeps the process's
+    cores, as vLLM's API server process does, so serving a client never takes the engine's core.
+    Returns what was done, for the log."""
+    from flashpage.cpu_threads import bind_cpu_threads
+
+    binding = bind_cpu_threads(spec)
+    if not binding.bound:
+        return binding.describe()
+    engine_tid = engine.engine_thread_id
+    for tid, cores in binding.previous_affinity.items():
+        if tid != engine_tid:
+            try:
+                os.sched_setaffinity(tid, cores)
+            except OSError:  # the thread has ended
+                pass
+    return f"{binding.describe()}: the engine thread; the HTTP front keeps the process's cores"
+
+
 def run_server(options: ServeOptions, engine: AsyncLLM | None = None) -> int:
     """Serve until SIGTERM/SIGINT, then drain and return 0. ``engine``: one already built (tensor
     parallel rank 0, see :mod:`flashpage.serve.tp`); default: built from ``options``."""
@@ -130,9 +151,7 @@ def run_server(options: ServeOptions, engine: AsyncLLM | None = None) -> int:
     template = read_chat_template(options.chat_template)
     engine = engine if engine is not None else build_engine(options)
     if options.cpu_bind != "none":  # after the model loaded: bad arguments fail first, loading threads are bound too
-        from flashpage.cpu_threads import bind_cpu_threads
-
-        print(f"flashpage serve: CPU {bind_cpu_threads(options.cpu_bind).describe()}", file=sys.stderr)
+        print(f"flashpage serve: CPU {bind_engine_threads(options.cpu_bind, engine)}", file=sys.stderr)
     name = options.served_model_name or options.model or TINY_MODEL_NAME
     limits = {"max_request_bytes": options.max_request_bytes} if options.max_request_bytes is not None else {}
     app = build_app(engine, name, chat_template=template, close_on_shutdown=False, **limits)

@@ -69,10 +69,14 @@ class _ShiftedNorm(torch.nn.Module):
 def test_probe_refuses_what_it_cannot_reproduce_and_the_switch_turns_it_off(monkeypatch):
     assert fastpath.probe_norm(_ShiftedNorm(16)) is None
     assert fastpath.probe_norm(torch.nn.LayerNorm(16)) is None  # already one op
+    from flashpage.info import collect_info, format_info
+
+    assert "LLM eager steps: fused norms" in format_info(collect_info())
     model = tiny_model("llama")
     monkeypatch.setenv(fastpath.ENV, "0")
     assert not fastpath.install_fastpath(model).any
     assert "forward" not in vars(model.model.norm)
+    assert "FLASHPAGE_FASTPATH=0" in collect_info()["cpu_threads"]["eager_fastpath"]
 
 
 def test_rotary_dispatch_is_the_original_outside_and_refuses_other_rotations():

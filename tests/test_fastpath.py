@@ -107,7 +107,9 @@ def test_rotary_dispatch_is_the_original_outside_and_refuses_other_rotations():
 
 def test_gated_mlp_probe_and_in_place_product():
     mlp = tiny_model("gemma").model.layers[0].mlp
+    children = dict(mlp.named_children())
     assert fastpath.probe_mlp(mlp) == "gelu_tanh"
+    assert dict(mlp.named_children()) == children, "the probe works on narrowed copies, never on the MLP itself"
     fastpath.install_fastpath(torch.nn.Sequential(mlp))
     x = torch.randn(3, 7, mlp.gate_proj.in_features)
     own = type(mlp).forward(mlp, x)

@@ -69,10 +69,14 @@ class _ShiftedNorm(torch.nn.Module):
 def test_probe_refuses_what_it_cannot_reproduce_and_the_switch_turns_it_off(monkeypatch):
     assert fastpath.probe_norm(_ShiftedNorm(16)) is None
     assert fastpath.probe_norm(torch.nn.LayerNorm(16)) is None  # already one op
+    from flashpage.info import collect_info, format_info
+
+    assert "LLM eager steps: fused norms" in format_info(collect_info())
     model = tiny_model("llama")
     monkeypatch.setenv(fastpath.ENV, "0")
     assert not fastpath.install_fastpath(model).any
     assert "forward" not in vars(model.model.norm)
+    assert "FLASHPAGE_FASTPATH=0" in collect_info()["cpu_threads"]["eager_fastpath"]
 
 
 def test_rotary_dispatch_is_the_original_outside_and_refuses_other_rotations():
@@ -103,7 +107,9 @@ def test_rotary_dispatch_is_the_original_outside_and_refuses_other_rotations():
 
 def test_gated_mlp_probe_and_in_place_product():
     mlp = tiny_model("gemma").model.layers[0].mlp
+    children = dict(mlp.named_children())
     assert fastpath.probe_mlp(mlp) == "gelu_tanh"
+    assert dict(mlp.named_children()) == children, "the probe works on narrowed copies, never on the MLP itself"
     fastpath.install_fastpath(torch.nn.Sequential(mlp))
     x = torch.randn(3, 7, mlp.gate_proj.in_features)
     own = type(mlp).forward(mlp, x)

@@ -233,23 +233,42 @@ def probe_mlp(module: torch.nn.Module) -> str | None:
     act = getattr(module, "act_fn", None)
     if not all(isinstance(p, torch.nn.Linear) for p in parts) or not callable(act):
         return None
-    gate, up, down = parts
-    if gate.weight.dtype != torch.float32 or gate.weight.device.type == "meta":
+    if any(p.weight.dtype != torch.float32 or p.weight.device.type == "meta" for p in parts):
         return None
     g = torch.Generator().manual_seed(2)
     try:
         with torch.no_grad():
-            x = torch.randn(2, 3, gate.in_features, generator=g).to(gate.weight.device)
-            want = type(module).forward(module, x)
+            probe = _narrow_mlp(module, *parts)
+            x = torch.randn(2, 3, probe.gate_proj.in_features, generator=g)
+            want = type(module).forward(probe, x)
+            h, u = probe.gate_proj(x), probe.up_proj(x)
             for name, fn in _ACTIVATIONS.items():
-                h = gate(x)
-                if not _close(act(h.clone()), fn(h.clone())):
-                    continue
-                if _close(want, down(fn(gate(x)) * up(x))):
+                if _close(act(h.clone()), fn(h.clone())) and _close(want, probe.down_proj(fn(h.clone()) * u)):
                     return name
-    except Exception:  # a forward that takes more than x
+    except Exception:  # a forward that takes more than x, or depends on the full widths
         return None
     return None
+
+
+def _narrow_linear(linear: torch.nn.Linear, rows: int, cols: int) -> torch.nn.Linear:
+    """A CPU copy of ``linear``'s first ``rows`` outputs over its first ``cols`` inputs."""
+    small = torch.nn.Linear(cols, rows, bias=linear.bias is not None)
+    small.weight.copy_(linear.weight[:rows, :cols])
+    if linear.bias is not None:
+        small.bias.copy_(linear.bias[:rows])
+    return small
+
+
+def _narrow_mlp(module: torch.nn.Module, gate: torch.nn.Linear, up: torch.nn.Linear, down: torch.nn.Linear,
+                width: int = 32) -> torch.nn.Module:
+    """A shallow copy of ``module`` whose three linears are ``width``-wide slices of its own (the probe of a
+    7B-sized MLP would otherwise run six full GEMMs: seconds per layer)."""
+    hidden, inner = min(width, gate.in_features), min(width, gate.out_features)
+    probe = copy.copy(module)
+    probe._modules = dict(module._modules)  # its own child table: the model's MLP keeps its linears
+    probe._modules.update(gate_proj=_narrow_linear(gate, inner, hidden), up_proj=_narrow_linear(up, inner, hidden),
+                          down_proj=_narrow_linear(down, hidden, inner))
+    return probe
 
 
 def _owns_storage(t: torch.Tensor) -> bool:

@@ -79,6 +79,35 @@ def test_summary_medians_ratios_and_text_comparison():
     assert "greedy outputs identical: False" in report
 
 
+def test_each_server_serves_the_workload_once_untimed_before_the_rounds(monkeypatch: pytest.MonkeyPatch):
+    """The first run of a server pays first-use costs (vLLM compiles batch sizes lazily): it is a warm-up,
+    never one of the timed rounds."""
+    import contextlib
+
+    calls: list[tuple[str, list[float], str]] = []
+
+    def fake_bench(url: str, model: str, prompts: list[str], rates: list[float], max_tokens: int, seed: int,
+                   label: str) -> tuple[list[dict], list[list[str]]]:
+        calls.append((url, rates, label))
+        tok_s = 1.0 if label.startswith("warm-up") else 100.0  # a warm-up counted as a round would show
+        row = {"output_tokens_per_s": tok_s, "ttft_p50_ms": 1.0, "tpot_p50_ms": 1.0, "e2e_p50_ms": 1.0,
+               "client_cpu_s": 0.1, "failed": 0}
+        return [row], [["same"] * len(prompts)]
+
+    monkeypatch.setattr(vs, "check_vllm_python", lambda python: "0.0-test")
+    monkeypatch.setattr(serve_bench, "started_server",
+                        lambda cmd, port, *a, **k: contextlib.nullcontext(f"http://{cmd[0]}:{port}"))
+    monkeypatch.setattr(serve_bench, "bench_server", fake_bench)
+    result = vs.run("/fake/vllm/python", rates=[float("inf"), 4.0], num_prompts=4, max_tokens=4, rounds=2)
+    labels = [label for _, _, label in calls]
+    assert labels[:2] == ["warm-up flashpage", "warm-up vLLM"] and calls[0][1] == [float("inf")]
+    assert len(calls) == 2 + 2 * 2 * 2 and not any(lb.startswith("warm-up") for lb in labels[2:])
+    assert calls[0][0] != calls[1][0]  # one warm-up per server
+    assert all(r["flashpage"]["output_tokens_per_s"] == r["vllm"]["output_tokens_per_s"] == 100.0
+               for r in result["rates"])
+    assert result["outputs_agree"] and "untimed" in result["workload"]
+
+
 def test_tpot_is_per_request_time_after_the_first_token():
     ok = serve_bench.RequestResult(ok=True, tokens=11, ttft=0.5, latency=1.5)
     assert serve_bench.summarize(1.0, [ok], 2.0)["tpot_p50_ms"] == 100.0

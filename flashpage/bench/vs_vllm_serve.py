@@ -15,7 +15,9 @@ same cores ``0..threads-1`` (vLLM's with ``VLLM_CPU_OMP_THREADS_BIND``, as it do
 flashpage's with ``--cpu-bind``).
 
 The client is ``flashpage bench serve``'s: streamed ``/v1/completions``, greedy, Poisson arrivals per
-rate. Both servers are started once and wait for ``/health``; then, for every round and every rate,
+rate. Both servers are started once and wait for ``/health``, and each serves the whole workload once
+untimed (all at once: every batch size's first-use costs, e.g. vLLM's compiled sizes, fall there, not
+in round 1); then, for every round and every rate,
 the same requests go to flashpage and then to vLLM (alternating). The report gives each run's output
 tokens/s, TTFT p50, TPOT p50 and E2E p50 (and the client's CPU seconds), the medians, the flashpage /
 vLLM ratios, and whether the greedy texts are identical request by request. Both servers are stopped
@@ -157,6 +159,8 @@ def run(vllm_python: str | None, model: str | None = None, rates: list[float] | 
             serve_bench.started_server(vllm_cmd(vllm_python, model_dir, vl_port, settings, kv_bytes, max_len),
                                        vl_port, _vllm_env(settings.threads), timeout=VLLM_STARTUP_TIMEOUT,
                                        replace_env=True) as vl_url:
+        for url, label in ((fp_url, "flashpage"), (vl_url, "vLLM")):  # untimed: first-use costs of every batch size
+            serve_bench.bench_server(url, SERVED_NAME, prompts, [math.inf], max_tokens, seed, f"warm-up {label}")
         for r in range(rounds):
             for k, rate in enumerate(rates):
                 for url, label, slot in ((fp_url, "flashpage", 0), (vl_url, "vLLM", 1)):
@@ -169,7 +173,8 @@ def run(vllm_python: str | None, model: str | None = None, rates: list[float] | 
         "bench": "serve_vs_vllm", "model": model_dir, "vllm_version": version, "num_prompts": num_prompts,
         "max_tokens": max_tokens, "rounds": rounds,
         "workload": f"{num_prompts} streamed /v1/completions per rate, prompts of 4..60 words, greedy, "
-                    f"max_tokens {max_tokens}, Poisson arrivals; same requests to both servers, alternating",
+                    f"max_tokens {max_tokens}, Poisson arrivals; same requests to both servers, alternating, "
+                    "after one untimed run of the workload each",
         "settings": {**settings.__dict__, "enable_prefix_caching": True, "kv_pool_bytes": kv_bytes,
                      "max_model_len": max_len},
         "rates": summaries, "load_average_1m": load_average(),

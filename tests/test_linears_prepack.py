@@ -165,3 +165,8 @@ def test_bench_linears_runs_and_its_variants_agree(capsys):
     assert min(row.plain_us, row.packed_us, row.fused_us) > 0
     assert bench.main(["--rows", "2", "--groups", "o", "--repeats", "1"]) == 0
     assert "packed/plain" in capsys.readouterr().out
+    model = tiny_model("llama", seed=2)
+    runs = [bench.engine_run(model, "w", [[5, 6, 7], [8, 9]], [3, 4], mode) for mode in bench.MODES]
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens and runs[0].cpu_s > 0
+    cost = bench.pack_cost(model)
+    assert cost["fused"] == 2 * model.config.num_hidden_layers and cost["repacked_after_one_edit"] == 1

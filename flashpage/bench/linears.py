@@ -7,6 +7,12 @@ q/k/v (512 / 128 / 128 outputs from one input), o, gate/up (1376 each), down and
 ``rows`` tokens per call (1-32: decode steps; 256-2048: prefill chunks). Every variant computes the
 same outputs; the three run alternately (``repeats`` rounds of ``iters`` calls each) and the best
 round of each is reported: on a shared machine the minimum is the least disturbed estimate.
+
+``--engine``: the same choice in ``LLM`` (``FLASHPAGE_CPU_PREPACK=0`` / ``unfused`` / ``1``, alternating,
+a fresh engine per run) on a decode-heavy workload (16 requests x 96 new tokens, short prompts) and
+on ``bench engine``'s quick mixed workload, the bench model (``--quick``: 4 layers): wall and process
+CPU time of each timed ``generate()`` (CPU time is what a loaded machine disturbs least), tokens
+compared across modes, and what packing the model costs (all GEMMs; one after a one-tensor edit).
 """
 
 from __future__ import annotations
@@ -79,6 +85,109 @@ def measure(group: str, rows: int, repeats: int = 15, seed: int = 0) -> Row:
     return Row(group, rows, best["plain"] * 1e6, best["packed"] * 1e6, best["fused"] * 1e6)
 
 
+MODES = ("0", "unfused", "1")
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One timed ``generate()`` of a workload under one ``FLASHPAGE_CPU_PREPACK`` mode."""
+
+    workload: str
+    mode: str
+    wall_s: float
+    cpu_s: float
+    tokens: tuple[tuple[int, ...], ...]
+
+
+def _engine_workloads(vocab: int) -> dict[str, tuple[list[list[int]], list[int]]]:
+    from flashpage.bench.engine import make_workload
+
+    gen = torch.Generator().manual_seed(0)
+    decode = [torch.randint(3, vocab, (24,), generator=gen).tolist() for _ in range(16)]
+    mixed = make_workload("mixed", vocab, quick=True)
+    return {"decode-heavy": (decode, [96] * len(decode)), "mixed": (mixed.prompts, list(mixed.max_tokens))}
+
+
+def engine_run(model: torch.nn.Module, workload: str, prompts: list[list[int]], max_tokens: list[int],
+               mode: str) -> EngineRun:
+    """A fresh ``LLM`` under ``FLASHPAGE_CPU_PREPACK=mode``: a small untimed generate (the probe step
+    and the packing), then the timed one."""
+    import os
+
+    from flashpage import LLM, SamplingParams
+    from flashpage.patches import unpatch
+
+    previous = os.environ.get("FLASHPAGE_CPU_PREPACK")
+    os.environ["FLASHPAGE_CPU_PREPACK"] = mode
+    try:
+        llm = LLM(model, max_num_seqs=256, block_size=128, enable_prefix_caching=False)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+        cpu, wall = time.process_time(), time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    finally:
+        unpatch(model)
+        if previous is None:
+            os.environ.pop("FLASHPAGE_CPU_PREPACK", None)
+        else:
+            os.environ["FLASHPAGE_CPU_PREPACK"] = previous
+    return EngineRun(workload, mode, wall, cpu, tuple(tuple(o.outputs[0].token_ids) for o in outs))
+
+
+def pack_cost(model: torch.nn.Module) -> dict[str, float]:
+    """Milliseconds to pack every linear of ``model`` (best of 3), and to repack after one weight edit."""
+    from flashpage.engine import linears
+
+    linears.install_onednn_linears(model)
+    packs = linears.Prepacked(model, True)
+    with torch.inference_mode(), linears.onednn_scope(True, packs):
+        model(input_ids=torch.tensor([[5, 6, 7, 8]]))  # the probe step
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        packs.refresh(everything=True)
+        best = min(best, time.perf_counter() - start)
+    with torch.no_grad():
+        next(m for m in model.modules() if isinstance(m, torch.nn.Linear)).weight.add_(0.0)
+    start = time.perf_counter()
+    one = packs.refresh()
+    return {"gemms": len(packs.gemms), "fused": len(packs.fused()), "mib": packs.nbytes() / 2**20,
+            "all_ms": best * 1e3, "one_ms": (time.perf_counter() - start) * 1e3, "repacked_after_one_edit": one}
+
+
+def engine_main(rounds: int, quick: bool) -> int:
+    import statistics
+
+    from flashpage.bench.models import load_bench_model
+
+    bm = load_bench_model(None, quick=quick)
+    print(f"{bm.name}; {torch.get_num_threads()} thread(s), load avg {load_average():.2f}")
+    runs: list[EngineRun] = []
+    for name, (prompts, max_tokens) in _engine_workloads(bm.vocab_size).items():
+        for r in range(rounds):
+            for mode in MODES:
+                run = engine_run(bm.model, name, prompts, max_tokens, mode)
+                runs.append(run)
+                print(f"{name:12s} round {r} FLASHPAGE_CPU_PREPACK={mode:7s} wall {run.wall_s:7.3f} s  "
+                      f"cpu {run.cpu_s:7.3f} s  load {load_average():.2f}", flush=True)
+        base = [x for x in runs if x.workload == name and x.mode == "0"]
+        for mode in MODES[1:]:
+            got = [x for x in runs if x.workload == name and x.mode == mode]
+            cpu = [b.cpu_s / g.cpu_s for b, g in zip(base, got, strict=True)]
+            wall = [b.wall_s / g.wall_s for b, g in zip(base, got, strict=True)]
+            same = all(g.tokens == base[0].tokens for g in got)
+            print(f"{name}: {mode} vs 0: speed-up in CPU time median {statistics.median(cpu):.2f} "
+                  f"[{', '.join(f'{c:.2f}' for c in cpu)}], wall median {statistics.median(wall):.2f}; "
+                  f"tokens identical: {same}")
+    cost = pack_cost(bm.model)
+    print(f"packing: {cost['gemms']} GEMMs ({cost['fused']} fused), {cost['mib']:.1f} MiB, "
+          f"all {cost['all_ms']:.1f} ms; after a one-tensor edit {cost['repacked_after_one_edit']} GEMM in "
+          f"{cost['one_ms']:.2f} ms")
+    print(f"load avg {load_average():.2f}")
+    return 0
+
+
 def format_table(results: Sequence[Row]) -> str:
     lines = [f"{'group':8s} {'rows':>5s} {'plain us':>10s} {'packed us':>10s} {'fused us':>10s} "
              f"{'packed/plain':>13s} {'fused/packed':>13s}"]
@@ -93,10 +202,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="rows per call, comma-separated")
     parser.add_argument("--groups", default=",".join(GROUPS), help="of: " + ", ".join(GROUPS))
     parser.add_argument("--repeats", type=int, default=15, help="alternating rounds (best one kept)")
+    parser.add_argument("--engine", action="store_true", help="LLM runs with packing off / unfused / on instead")
+    parser.add_argument("--rounds", type=int, default=3, help="with --engine: alternating rounds per workload")
+    parser.add_argument("--quick", action="store_true", help="with --engine: the 4-layer bench model")
     args = parser.parse_args(argv)
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         print("this torch has no oneDNN linear", file=sys.stderr)
         return 1
+    if args.engine:
+        return engine_main(args.rounds, args.quick)
     groups = [g.strip() for g in args.groups.split(",") if g.strip()]
     unknown = [g for g in groups if g not in GROUPS]
     if unknown:

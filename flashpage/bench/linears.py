@@ -9,7 +9,8 @@ same outputs; the three run alternately (``repeats`` rounds of ``iters`` calls e
 round of each is reported: on a shared machine the minimum is the least disturbed estimate.
 
 ``--engine``: the same choice in ``LLM`` (``FLASHPAGE_CPU_PREPACK=0`` / ``unfused`` / ``1``, alternating,
-a fresh engine per run) on a decode-heavy workload (16 requests x 96 new tokens, short prompts) and
+a fresh engine per run; ``--compile``: ``LLM(compile=True)``, compiled in the untimed warm-up) on a
+decode-heavy workload (16 requests x 96 new tokens, short prompts) and
 on ``bench engine``'s quick mixed workload, the bench model (``--quick``: 4 layers): wall and process
 CPU time of each timed ``generate()`` (CPU time is what a loaded machine disturbs least), tokens
 compared across modes, and what packing the model costs (all GEMMs; one after a one-tensor edit).
@@ -109,7 +110,7 @@ def _engine_workloads(vocab: int) -> dict[str, tuple[list[list[int]], list[int]]
 
 
 def engine_run(model: torch.nn.Module, workload: str, prompts: list[list[int]], max_tokens: list[int],
-               mode: str) -> EngineRun:
+               mode: str, compile: bool = False) -> EngineRun:
     """A fresh ``LLM`` under ``FLASHPAGE_CPU_PREPACK=mode``: a small untimed generate (the probe step
     and the packing), then the timed one."""
     import os
@@ -120,7 +121,7 @@ def engine_run(model: torch.nn.Module, workload: str, prompts: list[list[int]], 
     previous = os.environ.get("FLASHPAGE_CPU_PREPACK")
     os.environ["FLASHPAGE_CPU_PREPACK"] = mode
     try:
-        llm = LLM(model, max_num_seqs=256, block_size=128, enable_prefix_caching=False)
+        llm = LLM(model, max_num_seqs=256, block_size=128, enable_prefix_caching=False, compile=compile)
         llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
         cpu, wall = time.process_time(), time.perf_counter()
@@ -156,18 +157,18 @@ def pack_cost(model: torch.nn.Module) -> dict[str, float]:
             "all_ms": best * 1e3, "one_ms": (time.perf_counter() - start) * 1e3, "repacked_after_one_edit": one}
 
 
-def engine_main(rounds: int, quick: bool) -> int:
+def engine_main(rounds: int, quick: bool, compile: bool = False) -> int:
     import statistics
 
     from flashpage.bench.models import load_bench_model
 
     bm = load_bench_model(None, quick=quick)
-    print(f"{bm.name}; {torch.get_num_threads()} thread(s), load avg {load_average():.2f}")
+    print(f"{bm.name}; {torch.get_num_threads()} thread(s), compile={compile}, load avg {load_average():.2f}")
     runs: list[EngineRun] = []
     for name, (prompts, max_tokens) in _engine_workloads(bm.vocab_size).items():
         for r in range(rounds):
             for mode in MODES:
-                run = engine_run(bm.model, name, prompts, max_tokens, mode)
+                run = engine_run(bm.model, name, prompts, max_tokens, mode, compile)
                 runs.append(run)
                 print(f"{name:12s} round {r} FLASHPAGE_CPU_PREPACK={mode:7s} wall {run.wall_s:7.3f} s  "
                       f"cpu {run.cpu_s:7.3f} s  load {load_average():.2f}", flush=True)
@@ -205,12 +206,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engine", action="store_true", help="LLM runs with packing off / unfused / on instead")
     parser.add_argument("--rounds", type=int, default=3, help="with --engine: alternating rounds per workload")
     parser.add_argument("--quick", action="store_true", help="with --engine: the 4-layer bench model")
+    parser.add_argument("--compile", action="store_true", help="with --engine: LLM(compile=True) (no fusion there)")
     args = parser.parse_args(argv)
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         print("this torch has no oneDNN linear", file=sys.stderr)
         return 1
     if args.engine:
-        return engine_main(args.rounds, args.quick)
+        return engine_main(args.rounds, args.quick, args.compile)
     groups = [g.strip() for g in args.groups.split(",") if g.strip()]
     unknown = [g for g in groups if g not in GROUPS]
     if unknown:

@@ -120,6 +120,8 @@ def engine_run(model: torch.nn.Module, workload: str, prompts: list[list[int]], 
 
     previous = os.environ.get("FLASHPAGE_CPU_PREPACK")
     os.environ["FLASHPAGE_CPU_PREPACK"] = mode
+    if compile:  # every compiled engine on one model adds graphs to one code object: dynamo's limit is 8
+        torch.compiler.reset()
     try:
         llm = LLM(model, max_num_seqs=256, block_size=128, enable_prefix_caching=False, compile=compile)
         llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)

@@ -148,7 +148,7 @@ class DeviceStep:
         """Store k (N, Hk, D) / v (N, Hk, Dv), one row per input position, into the pages."""
         if torch.compiler.is_compiling():
             paged.store_op(k_pages, v_pages, k, v, self.input_slots, self.all_written)
-        else:
+        elif not (k_pages.device.type == "cpu" and cpu_attention.store_kv(k_pages, v_pages, k, v, self.input_slots)):
             paged.store(k_pages, v_pages, k, v, self.input_slots, self.all_written)
 
     @property
@@ -184,27 +184,34 @@ class DeviceStep:
         """The whole step in one call of the fused C++ CPU kernel (every sequence, whatever its query
         length), or None where it does not apply (not CPU / its dtypes, ALiBi, chunks, padded layouts,
         a trace, or the kernel unavailable). query (R, H, L, D) -> (R, L, H, Dv)."""
-        if (query.device.type != "cpu" or opts.alibi_slopes is not None or opts.chunk or self.token_index is not None
-                or self.pad_rows is not None or torch.compiler.is_compiling()
-                or not cpu_attention.eligible(query, k_pages, v_pages)):
+        if opts.alibi_slopes is not None or opts.chunk or query.device.type != "cpu":
             return None
         rows, heads, length, d = query.shape
-        kernel, table, seqlens, cu_q = self._cpu_metadata(rows, length)
-        if kernel is None:
+        meta = self._cpu_metadata(rows, length, query, k_pages, v_pages)
+        if meta is None or (torch.is_grad_enabled() and (query.requires_grad or k_pages.requires_grad
+                                                         or v_pages.requires_grad)):
             return None
+        kernel, table, seqlens, cu_q = meta
         scale = d**-0.5 if opts.softmax_scale is None else float(opts.softmax_scale)
         out, _ = cpu_attention.run_kernel(kernel, query.transpose(1, 2).reshape(rows * length, heads, d), k_pages,
                                           v_pages, table, seqlens, cu_q, scale, float(opts.softcap),
                                           cpu_attention.window_sides(opts.causal, opts.window_size), s_aux)
         return out.view(rows, length, heads, -1)
 
-    def _cpu_metadata(self, rows: int, length: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The C++ kernel (None: unavailable or forced off) and the (block table, key lengths, query-row
-        prefix sums) it reads (int64) for queries of this shape, built on the first layer's call and
-        shared by the others."""
-        key = ("cpu", rows, length)
-        meta = self._masks.get(key)
-        if meta is None:
+    def _cpu_metadata(self, rows: int, length: int, query: torch.Tensor, k_pages: torch.Tensor,
+                      v_pages: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The C++ kernel and the (block table, key lengths, query-row prefix sums) it reads (int64)
+        for queries of this shape and these dtypes, or None where it does not apply; looked up on
+        the first layer's call and shared by the others (one environment check per step)."""
+        key = ("cpu", rows, length, query.dtype, k_pages.dtype, v_pages.dtype)  # pages: contiguous per layer
+        if key in self._masks:
+            return self._masks[key]
+        meta = None
+        kernel = None
+        if (self.token_index is None and self.pad_rows is None and not torch.compiler.is_compiling()
+                and cpu_attention.eligible(query.detach(), k_pages.detach(), v_pages.detach())):
+            kernel = cpu_attention.load()
+        if kernel is not None:
             tokens = rows * length
             table = self.block_table[:, : self.read_blocks].to(torch.int64).contiguous()
             seqlens = self.seqlens_k.to(torch.int64)
@@ -214,7 +221,8 @@ class DeviceStep:
             else:
                 cu_q = self.cu_seqlens_q.to(torch.int64)
                 seqlens = self.cu_seqlens_k.diff().to(torch.int64)
-            meta = self._masks[key] = (cpu_attention.load(), table, seqlens, cu_q)
+            meta = (kernel, table, seqlens, cu_q)
+        self._masks[key] = meta
         return meta
 
     def _kvcache(self, qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,

@@ -9,7 +9,8 @@ sharing each key / value load, ``at::parallel_for`` over the tasks. Same contrac
 attention sinks, a row with no visible key returns 0. float32 and float64 only; anything else
 (half types, ALiBi, LSE, autograd) stays on the reference.
 
-It is built with ``torch.utils.cpp_extension.load_inline`` into torch's extension cache
+The same library has the K/V store (:func:`store_kv`: one call writes a layer's new K and V rows
+into their slots). It is built with ``torch.utils.cpp_extension.load_inline`` into torch's extension cache
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) the first time a CPU attention
 needs it (about a minute), and loaded from there afterwards. No compiler or no ninja: one warning,
 and the reference runs. ``FLASHPAGE_CPU_ATTENTION=reference`` forces the reference;
@@ -31,7 +32,7 @@ import torch
 
 ENV = "FLASHPAGE_CPU_ATTENTION"  # "reference" forces the PyTorch path; anything else / unset: auto
 _DTYPES = (torch.float32, torch.float64)
-_VERSION = 5  # bump when the C++ source changes meaning (the source hash also rebuilds)
+_VERSION = 6  # bump when the C++ source changes meaning (the source hash also rebuilds)
 
 _SOURCE = r"""
 #include <ATen/Dispatch.h>
@@ -605,7 +606,41 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
   return {out, lse};
 }
 
+// k (N, Hk, D) / v (N, Hk, Dv) rows into pages (NB, P, Hk, D|Dv) at slots (N,) (block * P + offset); a slot
+// of -1 writes nothing. One call for both tensors (the store every layer makes once per step).
+void store_kv(at::Tensor k_pages, at::Tensor v_pages, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k_pages.dim() == 4 && v_pages.dim() == 4, "store_kv: bad ranks");
+  TORCH_CHECK(k_pages.is_contiguous() && v_pages.is_contiguous(), "store_kv: pages must be contiguous");
+  TORCH_CHECK(k.scalar_type() == k_pages.scalar_type() && v.scalar_type() == v_pages.scalar_type(),
+              "store_kv: K/V and pages must share a dtype");
+  TORCH_CHECK(k.size(1) == k_pages.size(2) && k.size(2) == k_pages.size(3) && v.size(1) == v_pages.size(2) &&
+              v.size(2) == v_pages.size(3) && k.size(0) == v.size(0) && slots.numel() == k.size(0),
+              "store_kv: shapes do not match the pages");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "store_kv: K/V last dims must be contiguous");
+  auto idx = slots.to(at::kLong).contiguous();
+  const int64_t* sl = idx.data_ptr<int64_t>();
+  const int64_t n = k.size(0), hk = k.size(1), limit = k_pages.size(0) * k_pages.size(1);
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(sl[t] >= -1 && sl[t] < limit, "store_kv: slot ", sl[t], " is outside the pages (", limit, " slots)");
+  const int64_t elem = k.element_size();
+  auto copy = [&](const at::Tensor& src, at::Tensor& pages) {
+    const char* base = static_cast<const char*>(src.data_ptr());
+    char* dst = static_cast<char*>(pages.data_ptr());
+    const int64_t row = pages.size(2) * pages.size(3) * elem, d = src.size(2) * elem;
+    for (int64_t t = 0; t < n; ++t) {
+      if (sl[t] < 0) continue;
+      for (int64_t h = 0; h < hk; ++h)
+        std::memcpy(dst + sl[t] * row + h * d, base + (t * src.stride(0) + h * src.stride(1)) * elem, d);
+    }
+  };
+  copy(k, k_pages);
+  copy(v, v_pages);
+}
+
 TORCH_LIBRARY(flashpage_cpu, m) {
+  m.def("store_kv(Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor k, Tensor v, Tensor slots) -> ()");
+  m.impl("store_kv", c10::DispatchKey::CPU, TORCH_FN(store_kv));
   m.def("paged_attention(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seqlens_k, "
         "Tensor cu_seqlens_q, float factor, float softcap, int left, int right, Tensor? sinks, int generic) -> "
         "(Tensor, Tensor)");
@@ -735,6 +770,22 @@ def _library_path() -> str | None:
         return os.path.join(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so")
     except Exception:  # a private torch helper: only used for the report
         return None
+
+
+def store_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> bool:
+    """Write k (N, Hk, D) / v (N, Hk, Dv) into contiguous CPU pages (NB, P, Hk, D|Dv) at ``slots`` (N,)
+    (-1: skipped) in one C++ call; False (nothing written) where it does not apply: not CPU, dtypes
+    that differ from the pages', autograd, a strided last dimension, or the kernel unavailable."""
+    if (k.device.type != "cpu" or k_pages.device.type != "cpu" or k.dtype != k_pages.dtype
+            or v.dtype != v_pages.dtype or k.stride(-1) != 1 or v.stride(-1) != 1
+            or not (k_pages.is_contiguous() and v_pages.is_contiguous())
+            or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))):
+        return False
+    if load() is None:
+        return False
+    torch.ops.flashpage_cpu.store_kv(k_pages, v_pages, k, v, slots)
+    return True
 
 
 def eligible(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:

@@ -102,7 +102,19 @@ def _threads() -> dict[str, Any]:
         linears = f"oneDNN in LLM steps, {prepack_default()}" if onednn_available() \
             else f"torch F.linear ({ENV}=torch or no oneDNN)"
     return {"torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "usable_cores": len(cores), "cores": format_cores(cores), "cpu_linears": linears}
+            "usable_cores": len(cores), "cores": format_cores(cores), "cpu_linears": linears,
+            "eager_fastpath": _fastpath_label()}
+
+
+def _fastpath_label() -> str:
+    """Whether LLM's eager steps fuse norms / rotary / gated MLPs (engine/fastpath.py)."""
+    try:
+        from flashpage.engine.fastpath import ENV, enabled_by_env
+    except ImportError as exc:
+        return f"unavailable ({type(exc).__name__})"
+    if enabled_by_env():
+        return f"fused norms / rotary / gated MLPs where a probe proves them equal ({ENV}=0 turns it off)"
+    return f"off ({ENV}=0): the modules' own code"
 
 
 def _cpu_attention() -> dict[str, str]:
@@ -136,6 +148,7 @@ def format_info(info: dict[str, Any]) -> str:
              "default block size: " + ", ".join(f"{k}={v}" for k, v in info["default_block_size"].items()),
              "CPU threads: {torch_threads} (OMP_NUM_THREADS={omp_num_threads}), {usable_cores} usable cores ({cores}); "
              "float32 linears in LLM: {cpu_linears}".format(**info["cpu_threads"]),
+             "LLM eager steps: " + info["cpu_threads"]["eager_fastpath"],
              _cpu_attention_line(info["cpu_attention"]),
              "LLM compiled decode steps by default: " + ", ".join(
                  f"{k}={_compile_label(k, v)}" for k, v in info["compiled_decode"].items()),

@@ -61,19 +61,51 @@ def test_both_servers_get_the_same_settings():
 
 
 def test_summary_medians_ratios_and_text_comparison():
-    def row(tok_s: float, ttft: float, tpot: float) -> dict:
-        return {"output_tokens_per_s": tok_s, "ttft_p50_ms": ttft, "tpot_p50_ms": tpot, "failed": 0}
+    def row(tok_s: float, ttft: float, tpot: float, e2e: float = 100.0) -> dict:
+        return {"output_tokens_per_s": tok_s, "ttft_p50_ms": ttft, "tpot_p50_ms": tpot, "e2e_p50_ms": e2e,
+                "client_cpu_s": 0.5, "failed": 0}
 
-    s = vs.summarize_rate(float("inf"), [row(100, 20, 4), row(120, 30, 6)], [row(200, 10, 2), row(200, 10, 3)],
-                          ["a", "b", None], ["a", "c", None])
+    s = vs.summarize_rate(float("inf"), [row(100, 20, 4, 300), row(120, 30, 6, 500)],
+                          [row(200, 10, 2), row(200, 10, 3)], ["a", "b", None], ["a", "c", None])
     assert s["rate"] == "inf"
     assert s["flashpage"]["output_tokens_per_s"] == 110 and s["vllm"]["tpot_p50_ms"] == 2.5
-    assert s["ratios"] == {"output_tokens_per_s": 0.55, "ttft_p50_ms": 2.5, "tpot_p50_ms": 2.0}
+    assert s["ratios"] == {"output_tokens_per_s": 0.55, "ttft_p50_ms": 2.5, "tpot_p50_ms": 2.0, "e2e_p50_ms": 4.0}
+    assert s["flashpage"]["client_cpu_s"] == 0.5
     assert (s["identical_requests"], s["requests"], s["differing_requests"]) == (1, 3, [1, 2])
     report = vs.format_report({"model": "m", "vllm_version": "0", "workload": "w", "rounds": 2,
                                "load_average_1m": 1.0, "outputs_agree": False, "rates": [s],
                                "settings": {**Settings().__dict__, "kv_pool_bytes": 1, "max_model_len": 8}})
-    assert "0.55x" in report and "1/3" in report and "greedy outputs identical: False" in report
+    assert "0.55x" in report and "4.00x" in report and "1/3" in report
+    assert "greedy outputs identical: False" in report
+
+
+def test_each_server_serves_the_workload_once_untimed_before_the_rounds(monkeypatch: pytest.MonkeyPatch):
+    """The first run of a server pays first-use costs (vLLM compiles batch sizes lazily): it is a warm-up,
+    never one of the timed rounds."""
+    import contextlib
+
+    calls: list[tuple[str, list[float], str]] = []
+
+    def fake_bench(url: str, model: str, prompts: list[str], rates: list[float], max_tokens: int, seed: int,
+                   label: str) -> tuple[list[dict], list[list[str]]]:
+        calls.append((url, rates, label))
+        tok_s = 1.0 if label.startswith("warm-up") else 100.0  # a warm-up counted as a round would show
+        row = {"output_tokens_per_s": tok_s, "ttft_p50_ms": 1.0, "tpot_p50_ms": 1.0, "e2e_p50_ms": 1.0,
+               "client_cpu_s": 0.1, "failed": 0}
+        return [row], [["same"] * len(prompts)]
+
+    monkeypatch.setattr(vs, "check_vllm_python", lambda python: "0.0-test")
+    monkeypatch.setattr(serve_bench, "started_server",
+                        lambda cmd, port, *a, **k: contextlib.nullcontext(f"http://{cmd[0]}:{port}"))
+    monkeypatch.setattr(serve_bench, "bench_server", fake_bench)
+    result = vs.run("/fake/vllm/python", rates=[float("inf"), 4.0], num_prompts=4, max_tokens=4, rounds=2)
+    labels = [label for _, _, label in calls]
+    assert labels[:2] == ["warm-up flashpage", "warm-up vLLM"] and calls[0][1] == [float("inf")]
+    assert len(calls) == 2 + 2 * 2 * 2 and not any(lb.startswith("warm-up") for lb in labels[2:])
+    assert calls[0][0] != calls[1][0]  # one warm-up per server
+    assert all(r["flashpage"]["output_tokens_per_s"] == r["vllm"]["output_tokens_per_s"] == 100.0
+               for r in result["rates"])
+    assert result["outputs_agree"] and "untimed" in result["workload"]
 
 
 def test_tpot_is_per_request_time_after_the_first_token():

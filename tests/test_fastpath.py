@@ -69,10 +69,14 @@ class _ShiftedNorm(torch.nn.Module):
 def test_probe_refuses_what_it_cannot_reproduce_and_the_switch_turns_it_off(monkeypatch):
     assert fastpath.probe_norm(_ShiftedNorm(16)) is None
     assert fastpath.probe_norm(torch.nn.LayerNorm(16)) is None  # already one op
+    from flashpage.info import collect_info, format_info
+
+    assert "LLM eager steps: fused norms" in format_info(collect_info())
     model = tiny_model("llama")
     monkeypatch.setenv(fastpath.ENV, "0")
     assert not fastpath.install_fastpath(model).any
     assert "forward" not in vars(model.model.norm)
+    assert "FLASHPAGE_FASTPATH=0" in collect_info()["cpu_threads"]["eager_fastpath"]
 
 
 def test_rotary_dispatch_is_the_original_outside_and_refuses_other_rotations():
@@ -103,13 +107,36 @@ def test_rotary_dispatch_is_the_original_outside_and_refuses_other_rotations():
 
 def test_gated_mlp_probe_and_in_place_product():
     mlp = tiny_model("gemma").model.layers[0].mlp
+    children = dict(mlp.named_children())
     assert fastpath.probe_mlp(mlp) == "gelu_tanh"
+    assert dict(mlp.named_children()) == children, "the probe works on narrowed copies, never on the MLP itself"
     fastpath.install_fastpath(torch.nn.Sequential(mlp))
     x = torch.randn(3, 7, mlp.gate_proj.in_features)
     own = type(mlp).forward(mlp, x)
     with torch.inference_mode(), fastpath.fastpath_scope():
         inside = mlp(x)
     assert torch.equal(mlp(x), own)
+    assert torch.allclose(inside, own, atol=1e-5, rtol=1e-5)
+
+
+def test_silu_in_place_never_writes_into_a_view():
+    mlp = tiny_model("llama").model.layers[0].mlp
+    assert fastpath.probe_mlp(mlp) == "silu"
+    fastpath.install_fastpath(torch.nn.Sequential(mlp))
+    x = torch.randn(2, 5, mlp.gate_proj.in_features)
+    own = type(mlp).forward(mlp, x)
+    kept: list[torch.Tensor] = []
+    plain = mlp.gate_proj.forward
+
+    def fused_output_view(t):  # as a fused gate|up GEMM would hand back its gate half
+        both = torch.cat([plain(t), plain(t)], dim=-1)
+        kept.append(both.clone())
+        kept.append(both)
+        return both[..., :mlp.gate_proj.out_features]
+    mlp.gate_proj.forward = fused_output_view
+    with torch.inference_mode(), fastpath.fastpath_scope():
+        inside = mlp(x)
+    assert torch.equal(kept[0], kept[1]), "the other tensor's memory is untouched"
     assert torch.allclose(inside, own, atol=1e-5, rtol=1e-5)
 
 
@@ -155,3 +182,16 @@ def test_llm_tokens_and_logprobs_equal_transformers(model_type, monkeypatch):
             assert abs(lp.logprob - want) < 1e-4, f"{model_type}: logprob {lp.logprob} vs transformers' {want}"
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, before), "outside the engine the model is untouched"
+
+
+def test_bench_counts_fewer_ops_for_each_fused_part():
+    from flashpage.bench import fastpath as bench
+    from flashpage.tiny import tiny_model_path
+
+    result = bench.run(str(tiny_model_path()), tokens=(8,), reps=10)
+    rows = {r["part"]: r for r in result["rows"]}
+    assert rows["norm"]["ops_fused"] == 1 < rows["norm"]["ops_own"]
+    assert rows["rotary"]["ops_fused"] < rows["rotary"]["ops_own"]
+    assert rows["decoder layer"]["ops_fused"] < rows["decoder layer"]["ops_own"]
+    assert all(r["us_fused"] > 0 and r["us_own"] > 0 for r in rows.values())
+    assert "decoder layer" in bench.format_report(result)

@@ -153,3 +153,20 @@ def _same_as_unpacked(model: torch.nn.Module, prompts: list[list[int]], outs: li
         for a, b in zip(g.logprobs, w.logprobs, strict=True):
             assert abs(a.logprob - b.logprob) < 1e-5
             assert a.top.keys() == b.top.keys() and all(abs(a.top[k] - b.top[k]) < 1e-5 for k in a.top)
+
+
+def test_bench_linears_runs_and_its_variants_agree(capsys):
+    from flashpage.bench import linears as bench
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, 32, generator=gen) for n in (16, 8, 8)]
+    assert bench.check_equal(weights, torch.randn(1, 5, 32, generator=gen)) < 1e-4
+    row = bench.measure("q/k/v", 4, repeats=1)
+    assert min(row.plain_us, row.packed_us, row.fused_us) > 0
+    assert bench.main(["--rows", "2", "--groups", "o", "--repeats", "1"]) == 0
+    assert "packed/plain" in capsys.readouterr().out
+    model = tiny_model("llama", seed=2)
+    runs = [bench.engine_run(model, "w", [[5, 6, 7], [8, 9]], [3, 4], mode) for mode in bench.MODES]
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens and runs[0].cpu_s > 0
+    cost = bench.pack_cost(model)
+    assert cost["fused"] == 2 * model.config.num_hidden_layers and cost["repacked_after_one_edit"] == 1

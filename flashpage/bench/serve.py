@@ -142,6 +142,7 @@ def summarize(rate: float, results: list[RequestResult], duration: float) -> dic
         "ttft_p50_ms": ms(_pct(ttfts, 50)), "ttft_p99_ms": ms(_pct(ttfts, 99)),
         "itl_p50_ms": ms(_pct(itls, 50)), "itl_p99_ms": ms(_pct(itls, 99)), "tpot_p50_ms": ms(_pct(tpots, 50)),
         "e2e_p50_s": None if not ok else round(_pct([r.latency for r in ok], 50), 3),
+        "e2e_p50_ms": ms(_pct([r.latency for r in ok], 50)),
         "errors": sorted({r.error for r in results if not r.ok})[:3],
     }
 
@@ -151,8 +152,10 @@ def bench_server(url: str, model: str, prompts: list[str], rates: list[float], m
     """Run every rate against one server: per-rate summaries and per-rate output texts."""
     rows, texts = [], []
     for k, rate in enumerate(rates):
+        cpu = time.process_time()
         results, duration = asyncio.run(_run_rate(url, model, prompts, rate, max_tokens, seed + k))
         row = summarize(rate, results, duration)
+        row["client_cpu_s"] = round(time.process_time() - cpu, 3)  # this process: the client shares the cores
         _log(f"{label} rate {row['rate']}: {row['output_tokens_per_s']} tok/s, TTFT p50 {row['ttft_p50_ms']} ms, "
              f"ITL p50 {row['itl_p50_ms']} ms, failed {row['failed']}")
         rows.append(row)

@@ -15,11 +15,18 @@ same cores ``0..threads-1`` (vLLM's with ``VLLM_CPU_OMP_THREADS_BIND``, as it do
 flashpage's with ``--cpu-bind``).
 
 The client is ``flashpage bench serve``'s: streamed ``/v1/completions``, greedy, Poisson arrivals per
-rate. Both servers are started once and wait for ``/health``; then, for every round and every rate,
+rate. Both servers are started once and wait for ``/health``, and each serves the whole workload once
+untimed (all at once: every batch size's first-use costs, e.g. vLLM's compiled sizes, fall there, not
+in round 1); then, for every round and every rate,
 the same requests go to flashpage and then to vLLM (alternating). The report gives each run's output
-tokens/s, TTFT p50 and TPOT p50, the medians, the flashpage / vLLM ratios, and whether the greedy
-texts are identical request by request. Both servers are stopped (their whole process groups) at
-the end, also on error or Ctrl-C.
+tokens/s, TTFT p50, TPOT p50 and E2E p50 (and the client's CPU seconds), the medians, the flashpage /
+vLLM ratios, and whether the greedy texts are identical request by request. Both servers are stopped
+(their whole process groups) at the end, also on error or Ctrl-C.
+
+Process layout: vLLM binds its model worker's OpenMP threads and leaves its API server (and engine
+core) processes to the OS; ``flashpage serve --cpu-bind`` binds its engine thread and leaves its HTTP
+front (event loop, tokenizer threads) on the process's cores: each server's front shares the
+machine with the client, neither takes the bound core from its engine.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from flashpage.bench.vs_vllm import Settings, _vllm_env, check_vllm_python, flas
 SERVED_NAME = "bench-model"
 FLOAT32_BYTES = 4  # both servers run float32
 VLLM_STARTUP_TIMEOUT = 900.0  # vLLM compiles its model (inductor) before /health answers
+MEASURES = ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms")  # medians and ratios of these
 PROMPT_TOKENS_BOUND = 160  # make_prompts' longest prompt (60 words) tokenizes to fewer tokens than this
 
 
@@ -117,11 +125,9 @@ def summarize_rate(rate: float, fp_rows: list[dict[str, Any]], vl_rows: list[dic
     out: dict[str, Any] = {"rate": serve_bench._rate(rate), "identical_requests": same, "requests": len(fp_texts),
                            "differing_requests": differ[:10]}
     for label, rows in (("flashpage", fp_rows), ("vllm", vl_rows)):
-        out[label] = {"runs": rows, **{k: _median(rows, k) for k in
-                                       ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms")},
+        out[label] = {"runs": rows, **{k: _median(rows, k) for k in (*MEASURES, "client_cpu_s")},
                       "failed": sum(r["failed"] for r in rows)}
-    out["ratios"] = {k: _ratio(out["flashpage"][k], out["vllm"][k])
-                     for k in ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms")}
+    out["ratios"] = {k: _ratio(out["flashpage"][k], out["vllm"][k]) for k in MEASURES}
     return out
 
 
@@ -153,6 +159,8 @@ def run(vllm_python: str | None, model: str | None = None, rates: list[float] | 
             serve_bench.started_server(vllm_cmd(vllm_python, model_dir, vl_port, settings, kv_bytes, max_len),
                                        vl_port, _vllm_env(settings.threads), timeout=VLLM_STARTUP_TIMEOUT,
                                        replace_env=True) as vl_url:
+        for url, label in ((fp_url, "flashpage"), (vl_url, "vLLM")):  # untimed: first-use costs of every batch size
+            serve_bench.bench_server(url, SERVED_NAME, prompts, [math.inf], max_tokens, seed, f"warm-up {label}")
         for r in range(rounds):
             for k, rate in enumerate(rates):
                 for url, label, slot in ((fp_url, "flashpage", 0), (vl_url, "vLLM", 1)):
@@ -165,7 +173,8 @@ def run(vllm_python: str | None, model: str | None = None, rates: list[float] | 
         "bench": "serve_vs_vllm", "model": model_dir, "vllm_version": version, "num_prompts": num_prompts,
         "max_tokens": max_tokens, "rounds": rounds,
         "workload": f"{num_prompts} streamed /v1/completions per rate, prompts of 4..60 words, greedy, "
-                    f"max_tokens {max_tokens}, Poisson arrivals; same requests to both servers, alternating",
+                    f"max_tokens {max_tokens}, Poisson arrivals; same requests to both servers, alternating, "
+                    "after one untimed run of the workload each",
         "settings": {**settings.__dict__, "enable_prefix_caching": True, "kv_pool_bytes": kv_bytes,
                      "max_model_len": max_len},
         "rates": summaries, "load_average_1m": load_average(),
@@ -180,25 +189,29 @@ def format_report(result: dict[str, Any]) -> str:
              f"{s['max_num_batched_tokens']}, prefix caching on, {s['dtype']}, block size {s['block_size']}, "
              f"KV pool {s['kv_pool_bytes']} bytes, max_model_len {s['max_model_len']}, {s['threads']} thread(s); "
              f"{result['rounds']} alternating round(s), medians; load average {result['load_average_1m']}", ""]
-    head = f"{'rate':>5} {'server':<10} {'tok/s':>8} {'TTFT p50':>9} {'TPOT p50':>9} {'failed':>6}  {'identical':>9}"
+    head = (f"{'rate':>5} {'server':<10} {'tok/s':>8} {'TTFT p50':>9} {'TPOT p50':>9} {'E2E p50':>9} "
+            f"{'client s':>8} {'failed':>6}  {'identical':>9}")
     lines += [head, "-" * len(head)]
     for row in result["rates"]:
         for label in ("flashpage", "vllm"):
             m = row[label]
             lines.append(f"{row['rate']!s:>5} {label:<10} {_num(m['output_tokens_per_s'])} "
-                         f"{_num(m['ttft_p50_ms'], 9)} {_num(m['tpot_p50_ms'], 9)} {m['failed']:>6}")
+                         f"{_num(m['ttft_p50_ms'], 9)} {_num(m['tpot_p50_ms'], 9)} {_num(m.get('e2e_p50_ms'), 9)} "
+                         f"{_num(m.get('client_cpu_s'), 8, 2)} {m['failed']:>6}")
         q = row["ratios"]
         lines.append(f"{row['rate']!s:>5} {'fp / vLLM':<10} {_x(q['output_tokens_per_s'])} "
-                     f"{_x(q['ttft_p50_ms'], 9)} {_x(q['tpot_p50_ms'], 9)} {'':>6}  "
-                     f"{row['identical_requests']}/{row['requests']}")
-    lines += ["", "(tok/s: output tokens/s; TTFT, TPOT in ms, measured by the client; ratios flashpage / vLLM: "
-              "above 1 is better for tok/s, below 1 is better for TTFT/TPOT)",
+                     f"{_x(q['ttft_p50_ms'], 9)} {_x(q['tpot_p50_ms'], 9)} {_x(q.get('e2e_p50_ms'), 9)} "
+                     f"{'':>8} {'':>6}  {row['identical_requests']}/{row['requests']}")
+    lines += ["", "(tok/s: output tokens/s; TTFT, TPOT, E2E (a request's send to its last chunk) in ms, measured by "
+              "the client; client s: the client's CPU seconds per run (it shares the machine); ratios flashpage / "
+              "vLLM: above 1 is better for tok/s, below 1 is better for the latencies. A server that streams a "
+              "request's tokens in one burst shows a TPOT near 0: compare E2E there)",
               f"greedy outputs identical: {result['outputs_agree']}"]
     return "\n".join(lines)
 
 
-def _num(v: float | None, width: int = 8) -> str:
-    return f"{'-':>{width}}" if v is None else f"{v:>{width}.1f}"
+def _num(v: float | None, width: int = 8, digits: int = 1) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}.{digits}f}"
 
 
 def _x(v: float | None, width: int = 8) -> str:

@@ -11,8 +11,8 @@ calling thread) these run as fewer ops:
 - **rotary**: a modeling module's ``apply_rotary_pos_emb`` that a probe proves equal to
   ``q * cos + rotate_half(q) * sin`` runs as ``addcmul(q * cos, q.roll(D/2), sin_signed)``, with
   ``sin_signed`` (the first half negated) built once per step and shared by every layer;
-- **gated MLPs**: ``down(act(gate(x)) * up(x))`` (act a probed silu / gelu) with the activation and the
-  product in place, no activation module call.
+- **gated MLPs**: ``down(act(gate(x)) * up(x))`` (act a probed silu / gelu) with the activation (silu,
+  unless the gate output is a view of another tensor) and the product in place, no activation module call.
 
 Outside the scope (``model.generate()``, training, other threads, torch.compile traces) every patched
 forward calls the module's own code, so the model computes exactly what it did. Only float32
@@ -219,10 +219,11 @@ def install_rotary(model: torch.nn.Module) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ gated MLPs
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": lambda t: F.silu(t, inplace=True),
+    "silu": F.silu,
     "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
     "gelu": F.gelu,
 }
+_IN_PLACE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": lambda t: F.silu(t, inplace=True)}
 
 
 def probe_mlp(module: torch.nn.Module) -> str | None:
@@ -232,30 +233,57 @@ def probe_mlp(module: torch.nn.Module) -> str | None:
     act = getattr(module, "act_fn", None)
     if not all(isinstance(p, torch.nn.Linear) for p in parts) or not callable(act):
         return None
-    gate, up, down = parts
-    if gate.weight.dtype != torch.float32 or gate.weight.device.type == "meta":
+    if any(p.weight.dtype != torch.float32 or p.weight.device.type == "meta" for p in parts):
         return None
     g = torch.Generator().manual_seed(2)
     try:
         with torch.no_grad():
-            x = torch.randn(2, 3, gate.in_features, generator=g).to(gate.weight.device)
-            want = type(module).forward(module, x)
+            probe = _narrow_mlp(module, *parts)
+            x = torch.randn(2, 3, probe.gate_proj.in_features, generator=g)
+            want = type(module).forward(probe, x)
+            h, u = probe.gate_proj(x), probe.up_proj(x)
             for name, fn in _ACTIVATIONS.items():
-                h = gate(x)
-                if not _close(act(h.clone()), fn(h.clone())):
-                    continue
-                if _close(want, down(fn(gate(x)) * up(x))):
+                if _close(act(h.clone()), fn(h.clone())) and _close(want, probe.down_proj(fn(h.clone()) * u)):
                     return name
-    except Exception:  # a forward that takes more than x
+    except Exception:  # a forward that takes more than x, or depends on the full widths
         return None
     return None
+
+
+def _narrow_linear(linear: torch.nn.Linear, rows: int, cols: int) -> torch.nn.Linear:
+    """A CPU copy of ``linear``'s first ``rows`` outputs over its first ``cols`` inputs."""
+    small = torch.nn.Linear(cols, rows, bias=linear.bias is not None)
+    small.weight.copy_(linear.weight[:rows, :cols])
+    if linear.bias is not None:
+        small.bias.copy_(linear.bias[:rows])
+    return small
+
+
+def _narrow_mlp(module: torch.nn.Module, gate: torch.nn.Linear, up: torch.nn.Linear, down: torch.nn.Linear,
+                width: int = 32) -> torch.nn.Module:
+    """A shallow copy of ``module`` whose three linears are ``width``-wide slices of its own (the probe of a
+    7B-sized MLP would otherwise run six full GEMMs: seconds per layer)."""
+    hidden, inner = min(width, gate.in_features), min(width, gate.out_features)
+    probe = copy.copy(module)
+    probe._modules = dict(module._modules)  # its own child table: the model's MLP keeps its linears
+    probe._modules.update(gate_proj=_narrow_linear(gate, inner, hidden), up_proj=_narrow_linear(up, inner, hidden),
+                          down_proj=_narrow_linear(down, hidden, inner))
+    return probe
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is all of its storage (not a slice of a larger output; views are untracked in
+    inference mode, so ``_base`` cannot tell)."""
+    return t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes
 
 
 def _mlp_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """x (..., hidden) -> (..., hidden): activation and product in place inside the engine's scope."""
     if (not torch.compiler.is_compiling() and _active() and x.dtype == torch.float32 and not args and not kwargs
             and torch.is_inference_mode_enabled()):
-        h = _ACTIVATIONS[self._flashpage_mlp](self.gate_proj(x))
+        gate = self.gate_proj(x)
+        act = _IN_PLACE.get(self._flashpage_mlp) if _owns_storage(gate) else None  # never into a view
+        h = act(gate) if act is not None else _ACTIVATIONS[self._flashpage_mlp](gate)  # a tensor of our own
         return self.down_proj(h.mul_(self.up_proj(x)))
     return type(self).forward(self, x, *args, **kwargs)
 

@@ -89,7 +89,10 @@ def _trainer(model, tok, rollout, tmp_path, **cfg):
     settings.update(cfg)
     peft_config = settings.pop("peft_config", None)
     dataset = Dataset.from_dict({"prompt": PROMPTS * 4})
-    return GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float("(" in c) for c in completions],
+    # distinct characters: two different completions of a group almost never tie, so every step has a
+    # nonzero advantage and trains (a reward most samples miss, such as '"(" in c', can leave a whole run at
+    # zero reward std and zero gradient, depending on which tokens happen to be drawn)
+    return GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(len(set(c))) for c in completions],
                        args=GRPOConfig(**settings), train_dataset=dataset, processing_class=tok,
                        rollout_func=rollout, peft_config=peft_config)
 

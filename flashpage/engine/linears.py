@@ -43,6 +43,11 @@ def _active() -> bool:
     return getattr(_STATE, "depth", 0) > 0
 
 
+def _linear_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) through oneDNN's linear with ``weight`` (plain (out, in) or packed): (..., out)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """(..., in) -> (..., out): oneDNN inside an engine step on this thread (traced: inside a compiled
     engine step, as an opaque op), else F.linear."""
@@ -55,7 +60,7 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             out = packs.linear(self, x)
             if out is not None:
                 return out
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        return _linear_call(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)
 
 
@@ -132,8 +137,7 @@ def onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """x (..., in) @ weight (out, in)^T + bias (out,) through oneDNN: (..., out); with the weight's packed
     copy when the engine's :class:`Prepacked` has one (see :func:`compiled_scope`)."""
     packed = _compiled_pack(weight)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight if packed is None else packed, bias, "none",
-                                              [], "")
+    return _linear_call(x, weight if packed is None else packed, bias)
 
 
 def _compiled_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -179,8 +183,14 @@ PACK_BATCH_HINT = 32
 AUTO_MEMORY_SHARE = 0.25  # "auto" packs when the copies take at most this share of available memory
 
 
-def _linear_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+def _prepack_env() -> tuple[str | None, str]:
+    """``FLASHPAGE_CPU_PREPACK`` as (what it asks: "off", "on", "unfused" or None for unset / unknown, its value)."""
+    env = os.environ.get(PREPACK_ENV, "").strip().lower()
+    if env in ("0", "false", "off", "no"):
+        return "off", env
+    if env in ("1", "true", "on", "yes"):
+        return "on", env
+    return ("unfused" if env == "unfused" else None), env
 
 
 def _tensor_key(t: torch.Tensor | None) -> tuple:
@@ -330,11 +340,9 @@ def check_prepack_mode(mode: Any) -> bool | str:
 def prepack_wanted(mode: bool | str, nbytes: int) -> tuple[bool, str]:
     """Whether to pack ``nbytes`` of weight copies under ``mode``, and why (for logs and tests)."""
     if mode is not True and mode is not False:
-        env = os.environ.get(PREPACK_ENV, "").strip().lower()
-        if env in ("0", "false", "off", "no"):
-            return False, f"{PREPACK_ENV}={env}"
-        if env in ("1", "true", "on", "yes", "unfused"):
-            return True, f"{PREPACK_ENV}={env}"
+        asked, env = _prepack_env()
+        if asked is not None:
+            return asked != "off", f"{PREPACK_ENV}={env}"
         avail = available_memory()
         if avail is None:
             return False, "auto: available memory unknown"
@@ -346,13 +354,11 @@ def prepack_wanted(mode: bool | str, nbytes: int) -> tuple[bool, str]:
 
 def prepack_default() -> str:
     """What ``LLM(cpu_prepack="auto")`` does here, in words (``flashpage info``)."""
-    env = os.environ.get(PREPACK_ENV, "").strip().lower()
-    if env in ("0", "false", "off", "no"):
-        return f"weights not packed ({PREPACK_ENV}={env})"
-    if env == "unfused":
-        return f"weights packed, siblings not fused ({PREPACK_ENV}={env})"
-    if env in ("1", "true", "on", "yes"):
-        return f"weights packed, siblings fused ({PREPACK_ENV}={env})"
+    asked, env = _prepack_env()
+    said = {"off": "weights not packed", "unfused": "weights packed, siblings not fused",
+            "on": "weights packed, siblings fused"}
+    if asked is not None:
+        return f"{said[asked]} ({PREPACK_ENV}={env})"
     return f"weights packed and siblings fused when the copies fit in {AUTO_MEMORY_SHARE:.0%} of available memory " \
            f"(LLM(cpu_prepack='auto'); {PREPACK_ENV}=0 turns it off)"
 
@@ -435,7 +441,7 @@ class Prepacked:
     def _build(self, probe: _Probe) -> None:
         if not probe.seen:
             return  # nothing called (a stateful step): probe the next one
-        fuse = self.fuse and os.environ.get(PREPACK_ENV, "").strip().lower() != "unfused"  # A/B of the fusion
+        fuse = self.fuse and _prepack_env()[0] != "unfused"  # A/B of the fusion
         groups = sibling_groups(probe, _parents(self.model)) if fuse else []
         grouped = {id(m) for g in groups for m in g}
         # every other linear alone, those the probe step did not call too (MoE experts it did not route to)

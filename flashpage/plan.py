@@ -184,7 +184,8 @@ class DeviceStep:
         """The whole step in one call of the fused C++ CPU kernel (every sequence, whatever its query
         length), or None where it does not apply (not CPU / its dtypes, ALiBi, chunks, padded layouts,
         a trace, or the kernel unavailable). query (R, H, L, D) -> (R, L, H, Dv)."""
-        if opts.alibi_slopes is not None or opts.chunk or query.device.type != "cpu":
+        if (opts.alibi_slopes is not None or opts.chunk or query.device.type != "cpu"
+                or torch.compiler.is_compiling()):  # a trace takes the traceable kernels (and writes no memo)
             return None
         rows, heads, length, d = query.shape
         meta = self._cpu_metadata(rows, length, query, k_pages, v_pages)
@@ -208,7 +209,7 @@ class DeviceStep:
             return self._masks[key]
         meta = None
         kernel = None
-        if (self.token_index is None and self.pad_rows is None and not torch.compiler.is_compiling()
+        if (self.token_index is None and self.pad_rows is None
                 and cpu_attention.eligible(query.detach(), k_pages.detach(), v_pages.detach())):
             kernel = cpu_attention.load()
         if kernel is not None:

@@ -394,8 +394,8 @@ inline QkFn qk_for(int64_t d) {
 
 // o[r] (R rows at stride ldo, NV vectors from column x, the last one masked) += sum_j p[r][j] v_j for
 // j in [j0, j1): rows of p at stride ldp, value j at v + j * vs.
-template <int R, int NV>
-void pv_block(float* o, int64_t ldo, const float* p, int64_t ldp, const float* v, int64_t vs, int64_t j0, int64_t j1,
+template <int R, int NV>  // inlined: GCC 12 keeps acc in registers then (out of line it stores them every key)
+__attribute__((always_inline)) inline void pv_block(float* o, int64_t ldo, const float* p, int64_t ldp, const float* v, int64_t vs, int64_t j0, int64_t j1,
               __mmask16 tail) {
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)

@@ -4,7 +4,10 @@ The PyTorch reference gathers every sequence's pages into padded tensors and run
 softmax; this kernel reads K/V pages in place instead: one task per (sequence, KV head, tile of
 query rows), an online softmax over the keys a row can see (causal and sliding-window masks are
 intervals, so nothing is masked: only visible keys are visited), the G query heads of a GQA group
-sharing each key / value load, ``at::parallel_for`` over the tasks. Same contract as the reference
+sharing each key / value load, ``at::parallel_for`` over the tasks. Decode tiles (at most 4 query
+rows) of a float32 call on an AVX-512 CPU take every KV head in one task instead: a page row holds
+all the heads of a token, so the task reads each page front to back (decode is bound by memory
+bandwidth) and prefetches the next page; with fewer decode tiles than threads they split per head. Same contract as the reference
 (shared/design/flash-attn-contract.md section 3): bottom-right causal, sliding window, softcap,
 attention sinks, a row with no visible key returns 0. float32 and float64 only; anything else
 (half types, ALiBi, LSE, autograd) stays on the reference.
@@ -394,9 +397,10 @@ inline QkFn qk_for(int64_t d) {
 
 // o[r] (R rows at stride ldo, NV vectors from column x, the last one masked) += sum_j p[r][j] v_j for
 // j in [j0, j1): rows of p at stride ldp, value j at v + j * vs.
-template <int R, int NV>  // inlined: GCC 12 keeps acc in registers then (out of line it stores them every key)
-__attribute__((always_inline)) inline void pv_block(float* o, int64_t ldo, const float* p, int64_t ldp, const float* v, int64_t vs, int64_t j0, int64_t j1,
-              __mmask16 tail) {
+// Always inlined: out of line, GCC 12 stores the accumulators to the stack on every key.
+template <int R, int NV>
+__attribute__((always_inline)) inline void pv_block(float* o, int64_t ldo, const float* p, int64_t ldp, const float* v,
+                                                    int64_t vs, int64_t j0, int64_t j1, __mmask16 tail) {
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NV; ++c)
@@ -596,7 +600,8 @@ inline void attend_decode(const Args<float>& a, int64_t b, int64_t h0, int64_t h
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t s0 = std::max(span[2 * r], c * kChunk), s1 = std::min(span[2 * r + 1], (c + 1) * kChunk);
         if (s0 < s1)
-          qk(w.q.data() + r * d, cur.k + (r / per_head) * a.k_h + s0 * a.k_p, a.k_p, s1 - s0, d, w.s.data() + r * n + s0);
+          qk(w.q.data() + r * d, cur.k + (r / per_head) * a.k_h + s0 * a.k_p, a.k_p, s1 - s0, d,
+             w.s.data() + r * n + s0);
       }
     }
     for (int64_t r = 0; r < rows; ++r) {

@@ -49,13 +49,18 @@ def _assert_close(got: torch.Tensor, want64: torch.Tensor, dtype: torch.dtype) -
 @SETTINGS
 @given(lead=st.lists(st.integers(0, 5), min_size=0, max_size=3), d=st.sampled_from(DIMS),
        offset=st.sampled_from([0.0, 1.0]), eps=st.sampled_from([1e-6, 1e-5, 0.1]),
-       dtype=st.sampled_from([torch.float32, torch.float64]), transposed=st.booleans(), seed=st.integers(0, 999))
-def test_rms_norm_matches_float64(ops, lead, d, offset, eps, dtype, transposed, seed):
+       dtype=st.sampled_from([torch.float32, torch.float64]), layout=st.sampled_from(["dense", "moved", "slice"]),
+       seed=st.integers(0, 999))
+def test_rms_norm_matches_float64(ops, lead, d, offset, eps, dtype, layout, seed):
     g = torch.Generator().manual_seed(seed)
-    shape = (*lead, d)
-    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 3 + 0.5).to(dtype)
-    if transposed and len(lead) >= 1:  # a non-contiguous input: same values, other strides
+    x = (torch.randn(*lead, d, generator=g, dtype=torch.float64) * 3 + 0.5).to(dtype)
+    if layout == "moved":  # last dim strided: same values, other strides
         x = x.movedim(-1, 0).contiguous().movedim(0, -1)
+    elif layout == "slice":  # rows at a stride, as a (B, L, H, D) view of a fused qkv GEMM output
+        wide = (torch.randn(*lead, 3 * d + 1, generator=g, dtype=torch.float64) * 3).to(dtype)
+        x = wide[..., d:2 * d]
+        if len(lead) >= 2:
+            x = x.transpose(0, 1)
     w = torch.randn(d, generator=g, dtype=torch.float64).to(dtype)
     x64, w64 = x.double(), w.double()
     want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * (w64 + offset)

@@ -43,7 +43,7 @@ from flashpage.kernels.cpu_attention import _arch_flags, _missing_tools
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # act_and_mul's codes
 _DTYPES = (torch.float32, torch.float64)
-_VERSION = 1  # bump when the C++ source changes meaning (the source hash also rebuilds)
+_VERSION = 2  # bump when the C++ source changes meaning (the source hash also rebuilds)
 
 _SOURCE = r"""
 #include <ATen/Dispatch.h>
@@ -109,8 +109,7 @@ inline __m512 exp16(__m512 x) {
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
   y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+  return _mm512_scalef_ps(y, n);  // y * 2^n
 }
 
 inline __m512 act16(__m512 g, int act) {
@@ -169,18 +168,42 @@ void rms_row(const double* __restrict x, const double* __restrict w, double* __r
   for (int64_t i = 0; i < d; ++i) y[i] = (x[i] * scale) * w[i];
 }
 
-// x (..., D) (made contiguous), w (D,) -> (..., D): x * rsqrt(mean(x^2) + eps) * (w + offset).
+// The element offset of each row of x (..., n) (last dim contiguous, any strides on the leading dims: a
+// (B, L, H, D) view of a fused qkv GEMM output, the gate half of a fused gate|up output), in row-major order.
+std::vector<int64_t> row_offsets(const at::Tensor& x) {
+  const int64_t lead = x.dim() - 1;
+  int64_t rows = 1;
+  for (int64_t i = 0; i < lead; ++i) rows *= x.size(i);
+  std::vector<int64_t> off(rows), idx(lead, 0);
+  int64_t cur = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    off[r] = cur;
+    for (int64_t i = lead - 1; i >= 0; --i) {  // odometer over the leading dims
+      if (++idx[i] < x.size(i)) {
+        cur += x.stride(i);
+        break;
+      }
+      cur -= x.stride(i) * (x.size(i) - 1);
+      idx[i] = 0;
+    }
+  }
+  return off;
+}
+
+at::Tensor last_dim_contiguous(const at::Tensor& x) { return x.stride(-1) == 1 ? x : x.contiguous(); }
+
+// x (..., D) (rows at any strides), w (D,) -> (..., D) contiguous: x * rsqrt(mean(x^2) + eps) * (w + offset).
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps, double offset) {
   TORCH_CHECK(x_in.dim() >= 1 && w_in.dim() == 1 && w_in.size(0) == x_in.size(-1),
               "rms_norm: x (..., D) and w (D,) expected, got ", x_in.sizes(), " and ", w_in.sizes());
   TORCH_CHECK(x_in.scalar_type() == w_in.scalar_type() && (x_in.scalar_type() == at::kFloat ||
               x_in.scalar_type() == at::kDouble), "rms_norm: float32 / float64 x and w of one dtype");
-  const at::Tensor x = x_in.contiguous();
+  const at::Tensor x = last_dim_contiguous(x_in);
   const at::Tensor w = w_in.contiguous();
   at::Tensor y = at::empty(x.sizes(), x.options());
   const int64_t d = x.size(-1);
   if (x.numel() == 0) return y;
-  const int64_t rows = x.numel() / d;
+  const std::vector<int64_t> rows = row_offsets(x);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     std::vector<scalar_t> shifted;  // w + offset (Gemma's 1 + w), once per call
@@ -192,8 +215,8 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps, 
     }
     scalar_t* yp = y.data_ptr<scalar_t>();
     const scalar_t e = static_cast<scalar_t>(eps);
-    at::parallel_for(0, rows, kGrain, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) rms_row(xp + r * d, wp, yp + r * d, d, e);
+    at::parallel_for(0, static_cast<int64_t>(rows.size()), kGrain, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) rms_row(xp + rows[r], wp, yp + r * d, d, e);
     });
   });
   return y;
@@ -219,20 +242,6 @@ void act_mul_row(const double* __restrict g, const double* __restrict u, double*
   for (int64_t i = 0; i < n; ++i) o[i] = act_one(g[i], act) * u[i];
 }
 
-// Rows of x (..., n) with one row stride (a view when the leading dims collapse; a copy otherwise).
-at::Tensor as_rows(const at::Tensor& x) {
-  const int64_t n = x.size(-1);
-  if (x.stride(-1) == 1 && x.numel() > 0) {
-    // view() succeeds exactly when the leading dims collapse into one stride
-    auto strides = x.strides();
-    bool collapses = true;
-    for (int64_t i = 0; i + 2 < x.dim(); ++i)
-      if (x.size(i) != 1 && strides[i] != strides[i + 1] * x.size(i + 1)) collapses = false;
-    if (collapses) return x.view({-1, n});
-  }
-  return x.contiguous().view({-1, n});
-}
-
 // gate, up (..., I), last dim contiguous (row strides free) -> act(gate) * up (..., I) contiguous.
 at::Tensor act_and_mul(const at::Tensor& gate, const at::Tensor& up, int64_t act) {
   TORCH_CHECK(gate.sizes() == up.sizes() && gate.dim() >= 1, "act_and_mul: gate and up of one shape expected, got ",
@@ -242,15 +251,16 @@ at::Tensor act_and_mul(const at::Tensor& gate, const at::Tensor& up, int64_t act
   TORCH_CHECK(act == 0 || act == 1, "act_and_mul: act is 0 (silu) or 1 (gelu tanh), got ", act);
   at::Tensor out = at::empty(gate.sizes(), gate.options());
   if (gate.numel() == 0) return out;
-  const at::Tensor g = as_rows(gate), u = as_rows(up);
-  const int64_t n = g.size(1), rows = g.size(0), gs = g.stride(0), us = u.stride(0);
+  const at::Tensor g = last_dim_contiguous(gate), u = last_dim_contiguous(up);
+  const std::vector<int64_t> g_rows = row_offsets(g), u_rows = row_offsets(u);
+  const int64_t n = g.size(-1);
   const int a = static_cast<int>(act);
   AT_DISPATCH_FLOATING_TYPES(gate.scalar_type(), "act_and_mul", [&] {
     const scalar_t* gp = g.data_ptr<scalar_t>();
     const scalar_t* up_ = u.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, kGrain, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) act_mul_row(gp + r * gs, up_ + r * us, op + r * n, n, a);
+    at::parallel_for(0, static_cast<int64_t>(g_rows.size()), kGrain, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) act_mul_row(gp + g_rows[r], up_ + u_rows[r], op + r * n, n, a);
     });
   });
   return out;

@@ -109,12 +109,19 @@ def _threads() -> dict[str, Any]:
 def _fastpath_label() -> str:
     """Whether LLM's eager steps fuse norms / rotary / gated MLPs (engine/fastpath.py)."""
     try:
-        from flashpage.engine.fastpath import ENV, enabled_by_env
+        from flashpage.engine.fastpath import ENV, cpp_wanted, enabled_by_env
     except ImportError as exc:
         return f"unavailable ({type(exc).__name__})"
-    if enabled_by_env():
-        return f"fused norms / rotary / gated MLPs where a probe proves them equal ({ENV}=0 turns it off)"
-    return f"off ({ENV}=0): the modules' own code"
+    if not enabled_by_env():
+        return f"off ({ENV}=0): the modules' own code"
+    label = f"fused norms / rotary / gated MLPs where a probe proves them equal ({ENV}=0 turns it off)"
+    if not cpp_wanted():
+        return label + f"; torch ops only ({ENV}=torch)"
+    from flashpage.kernels import cpu_fused
+
+    state = cpu_fused.status()
+    ops = state.reason if state.name == "cpp" else f"torch ops ({state.reason})"
+    return label + f"; {ops} ({ENV}=torch for torch ops only)"
 
 
 def _cpu_attention() -> dict[str, str]:

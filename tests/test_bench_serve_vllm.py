@@ -79,6 +79,15 @@ def test_summary_medians_ratios_and_text_comparison():
     assert "greedy outputs identical: False" in report
 
 
+def test_report_says_when_the_http_stacks_differ():
+    """vLLM's server always runs uvicorn with httptools and uvloop; flashpage's only when they are installed
+    (the serve extra): a run without them compares different HTTP stacks, and the report says so."""
+    assert vs.http_note({"httptools": True, "uvloop": True}).startswith("HTTP stack of both")
+    note = vs.http_note({"httptools": False, "uvloop": True})
+    assert note.startswith("WARNING") and "httptools" in note and "uvloop" not in note.split("here")[0]
+    assert set(vs.http_stack()) == {"httptools", "uvloop"}
+
+
 def test_each_server_serves_the_workload_once_untimed_before_the_rounds(monkeypatch: pytest.MonkeyPatch):
     """The first run of a server pays first-use costs (vLLM compiles batch sizes lazily): it is a warm-up,
     never one of the timed rounds."""

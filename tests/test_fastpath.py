@@ -5,6 +5,7 @@ equal transformers' generate() for the families that take them."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 
@@ -16,6 +17,7 @@ from model_zoo import tiny_model
 
 from flashpage import LLM, SamplingParams
 from flashpage.engine import fastpath
+from flashpage.kernels import cpu_fused
 from flashpage.patches import unpatch
 from flashpage.testing import compare_greedy
 
@@ -108,7 +110,7 @@ def test_rotary_dispatch_is_the_original_outside_and_refuses_other_rotations():
 def test_gated_mlp_probe_and_in_place_product():
     mlp = tiny_model("gemma").model.layers[0].mlp
     children = dict(mlp.named_children())
-    assert fastpath.probe_mlp(mlp) == "gelu_tanh"
+    assert fastpath.probe_mlp(mlp).act == "gelu_tanh"
     assert dict(mlp.named_children()) == children, "the probe works on narrowed copies, never on the MLP itself"
     fastpath.install_fastpath(torch.nn.Sequential(mlp))
     x = torch.randn(3, 7, mlp.gate_proj.in_features)
@@ -121,7 +123,7 @@ def test_gated_mlp_probe_and_in_place_product():
 
 def test_silu_in_place_never_writes_into_a_view():
     mlp = tiny_model("llama").model.layers[0].mlp
-    assert fastpath.probe_mlp(mlp) == "silu"
+    assert fastpath.probe_mlp(mlp).act == "silu"
     fastpath.install_fastpath(torch.nn.Sequential(mlp))
     x = torch.randn(2, 5, mlp.gate_proj.in_features)
     own = type(mlp).forward(mlp, x)
@@ -140,12 +142,30 @@ def test_silu_in_place_never_writes_into_a_view():
     assert torch.allclose(inside, own, atol=1e-5, rtol=1e-5)
 
 
-FAMILIES = ["llama", "qwen3", "gemma", "gemma2", "gemma3_text", "mistral", "phi3", "olmo2", "cohere"]
+FAMILIES = ["llama", "qwen3", "gemma", "gemma2", "gemma3_text", "mistral", "phi3", "olmo2", "cohere", "gpt_neox"]
+NO_GATED_MLP = {"phi3", "gpt_neox"}  # phi3: one gate_up_proj; gpt_neox: fc -> gelu -> fc
+CPP = cpu_fused.status().name == "cpp"
+# every family with the C++ ops where they build (the default), and a few on the torch forms (the A/B switch)
+CASES = [(m, "cpp" if CPP else "torch") for m in FAMILIES] + [(m, "torch") for m in ("llama", "gemma")] * CPP
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_llm_tokens_and_logprobs_equal_transformers(model_type, monkeypatch):
-    calls = {"norm": 0, "rotary": 0}
+def _counted_ops(calls: dict[str, int]) -> cpu_fused.Ops | None:
+    """The C++ ops with each call counted under its name."""
+    real = cpu_fused.load()
+    if real is None:
+        return None
+
+    def counted(name, fn):
+        def wrapper(*args):
+            calls[name] += 1
+            return fn(*args)
+        return wrapper
+    return cpu_fused.Ops(*(counted(f, getattr(real, f)) for f in ("rms_norm", "act_and_mul", "rotary")))
+
+
+@pytest.mark.parametrize(("model_type", "ops"), CASES)
+def test_llm_tokens_and_logprobs_equal_transformers(model_type, ops, monkeypatch):
+    calls = {"norm": 0, "rotary": 0, "rms_norm": 0, "act_and_mul": 0}
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -154,7 +174,16 @@ def test_llm_tokens_and_logprobs_equal_transformers(model_type, monkeypatch):
         return wrapper
     monkeypatch.setattr(fastpath, "_fused_norm", counted("norm", fastpath._fused_norm))
     monkeypatch.setattr(fastpath, "fused_rotary", counted("rotary", fastpath.fused_rotary))
-    model = tiny_model(model_type, max_position_embeddings=512)
+    cpp_ops = _counted_ops(calls)
+    calls["rotary_cpp"] = 0
+    if cpp_ops is not None:
+        cpp_ops = dataclasses.replace(cpp_ops, rotary=counted("rotary_cpp", cpp_ops.rotary))
+    monkeypatch.setattr(fastpath, "cpp_ops", lambda: cpp_ops if fastpath.cpp_wanted() else None)
+    monkeypatch.setenv(fastpath.ENV, "1" if ops == "cpp" else "torch")
+    if model_type == "gpt_neox":  # full-width rotary (the fused forms' condition), no RMS norm, no gated MLP
+        model = tiny_model(model_type, max_position_embeddings=512, rotary_pct=1.0)
+    else:
+        model = tiny_model(model_type, max_position_embeddings=512)
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         before = model(input_ids=ids).logits
@@ -162,14 +191,21 @@ def test_llm_tokens_and_logprobs_equal_transformers(model_type, monkeypatch):
     llm = LLM(model, max_num_seqs=4)
     try:
         # what each family's modules are: a probe that stopped recognising them would make this test vacuous
-        assert llm.fastpath.norms > 0 and (llm.fastpath.mlps > 0) == (model_type != "phi3")  # phi3: gate_up_proj
+        assert (llm.fastpath.norms > 0) == (model_type != "gpt_neox")
+        assert (llm.fastpath.mlps > 0) == (model_type not in NO_GATED_MLP)
         assert bool(llm.fastpath.rotary) == (model_type != "cohere")  # cohere: interleaved rotary
+        assert llm.fastpath.cpp > 0 or ops == "torch", llm.fastpath.describe()  # probed: the C++ forms pass
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0),
                             use_tqdm=False)
     finally:
         unpatch(model)
-    assert calls["norm"] > 0, "the engine's steps took the fused norms"
+    assert calls["norm"] > 0 or model_type == "gpt_neox", "the engine's steps took the fused norms"
     assert calls["rotary"] > 0 or model_type == "cohere"
+    cpp = ops == "cpp"
+    # which steps ran in C++: every RMS norm (cohere's are centred: torch), gated MLP and rotary
+    assert (calls["rms_norm"] > 0) == (cpp and model_type not in ("cohere", "gpt_neox")), calls
+    assert (calls["act_and_mul"] > 0) == (cpp and model_type not in NO_GATED_MLP), calls
+    assert (calls["rotary_cpp"] > 0) == (cpp and model_type != "cohere"), calls
     for prompt, out in zip(prompts, outs, strict=True):
         ref, logits = hf_greedy(model, prompt, 8, eos=False)
         got = out.outputs[0]

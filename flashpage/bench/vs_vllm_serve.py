@@ -31,6 +31,7 @@ machine with the client, neither takes the bound core from its engine.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import statistics
@@ -47,6 +48,23 @@ FLOAT32_BYTES = 4  # both servers run float32
 VLLM_STARTUP_TIMEOUT = 900.0  # vLLM compiles its model (inductor) before /health answers
 MEASURES = ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms")  # medians and ratios of these
 PROMPT_TOKENS_BOUND = 160  # make_prompts' longest prompt (60 words) tokenizes to fewer tokens than this
+
+
+FAST_HTTP = ("httptools", "uvloop")  # uvicorn takes them when installed; vLLM's server always has both
+
+
+def http_stack() -> dict[str, bool]:
+    """Which of uvicorn's fast parts (HTTP parser, event loop) ``flashpage serve`` gets from this interpreter."""
+    return {name: importlib.util.find_spec(name) is not None for name in FAST_HTTP}
+
+
+def http_note(stack: dict[str, bool]) -> str:
+    """The report's line on the HTTP stack: a warning when flashpage's differs from vLLM's."""
+    missing = [name for name, present in stack.items() if not present]
+    if not missing:
+        return "HTTP stack of both: uvicorn with httptools and uvloop"
+    return (f"WARNING: flashpage serve runs without {' and '.join(missing)} here, vLLM's server with both: the HTTP "
+            "stacks differ (pip install -e \".[serve]\" brings them)")
 
 
 def _log(msg: str) -> None:
@@ -177,7 +195,7 @@ def run(vllm_python: str | None, model: str | None = None, rates: list[float] | 
                     "after one untimed run of the workload each",
         "settings": {**settings.__dict__, "enable_prefix_caching": True, "kv_pool_bytes": kv_bytes,
                      "max_model_len": max_len},
-        "rates": summaries, "load_average_1m": load_average(),
+        "rates": summaries, "load_average_1m": load_average(), "flashpage_http": http_stack(),
         "outputs_agree": all(s["identical_requests"] == s["requests"] for s in summaries),
     }
 
@@ -188,7 +206,8 @@ def format_report(result: dict[str, Any]) -> str:
              f"settings for both: max_num_seqs {s['max_num_seqs']}, max_num_batched_tokens "
              f"{s['max_num_batched_tokens']}, prefix caching on, {s['dtype']}, block size {s['block_size']}, "
              f"KV pool {s['kv_pool_bytes']} bytes, max_model_len {s['max_model_len']}, {s['threads']} thread(s); "
-             f"{result['rounds']} alternating round(s), medians; load average {result['load_average_1m']}", ""]
+             f"{result['rounds']} alternating round(s), medians; load average {result['load_average_1m']}",
+             http_note(result.get("flashpage_http", http_stack())), ""]
     head = (f"{'rate':>5} {'server':<10} {'tok/s':>8} {'TTFT p50':>9} {'TPOT p50':>9} {'E2E p50':>9} "
             f"{'client s':>8} {'failed':>6}  {'identical':>9}")
     lines += [head, "-" * len(head)]

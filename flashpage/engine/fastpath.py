@@ -14,11 +14,19 @@ calling thread) these run as fewer ops:
 - **gated MLPs**: ``down(act(gate(x)) * up(x))`` (act a probed silu / gelu) with the activation (silu,
   unless the gate output is a view of another tensor) and the product in place, no activation module call.
 
+Where the one-pass C++ ops of :mod:`flashpage.kernels.cpu_fused` load (a compiler and ninja; built
+once per machine), CPU float32 steps run the RMS norms, the silu / gelu(tanh) gated products and the
+rotary as one C++ call each instead (a norm: 1 pass over the rows instead of ~6; silu-and-mul reads the
+fused gate|up GEMM's two halves in place); each probe then also checks the C++ form against the
+module's own forward, and a form that fails keeps the torch ops. Centred norms (Cohere) and exact-erf
+gelu stay on torch ops.
+
 Outside the scope (``model.generate()``, training, other threads, torch.compile traces) every patched
 forward calls the module's own code, so the model computes exactly what it did. Only float32
 activations take the fused ops (the rounding of other dtypes differs between the two orders).
 Results differ from the modules' own by float32 rounding (probe tolerance 1e-5). ``FLASHPAGE_FASTPATH=0``
-turns it off.
+turns it off; ``FLASHPAGE_FASTPATH=torch`` keeps the fused torch forms but not the C++ ops (read at
+each engine step: an A/B switch).
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flashpage.kernels import cpu_fused
+
 ENV = "FLASHPAGE_FASTPATH"
 _STATE = threading.local()
 _ATOL = _RTOL = 1e-5
@@ -45,6 +55,22 @@ _ATOL = _RTOL = 1e-5
 def enabled_by_env() -> bool:
     """False when ``FLASHPAGE_FASTPATH`` is 0/false/off."""
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cpp_wanted() -> bool:
+    """False when ``FLASHPAGE_FASTPATH=torch`` (fused torch forms only, no C++ ops)."""
+    return os.environ.get(ENV, "1").strip().lower() != "torch"
+
+
+def cpp_ops() -> cpu_fused.Ops | None:
+    """The C++ ops the fused forms may take now: built (or loaded) on first use, None when unavailable
+    or switched off."""
+    return cpu_fused.load() if cpp_wanted() else None
+
+
+def _step_ops() -> cpu_fused.Ops | None:
+    """The C++ ops of this step (looked up once at the scope's entry), or None."""
+    return getattr(_STATE, "ops", None)
 
 
 def _active() -> bool:
@@ -57,6 +83,8 @@ def fastpath_scope(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
+    if getattr(_STATE, "depth", 0) == 0:
+        _STATE.ops = cpp_ops()  # the switch is read once per step
     _STATE.depth = getattr(_STATE, "depth", 0) + 1
     try:
         yield
@@ -78,12 +106,14 @@ def _close(a: Any, b: Any) -> bool:
 @dataclass(frozen=True)
 class FusedNorm:
     """How a norm module's forward is computed in one op: ``F.rms_norm(x, (dim,), w + offset, eps)``, or
-    ``F.layer_norm(x, (dim,), w + offset, None, eps)`` for a bias-free mean-centred norm (Cohere)."""
+    ``F.layer_norm(x, (dim,), w + offset, None, eps)`` for a bias-free mean-centred norm (Cohere);
+    ``cpp``: the C++ ``rms_norm`` passed the probe too (taken when the step has the C++ ops)."""
 
     dim: int
     eps: float
     offset: float  # 0.0: the weight as is (Llama); 1.0: 1 + weight (Gemma)
     centred: bool = False  # layer norm (mean subtracted) rather than RMS norm
+    cpp: bool = False
 
 
 def _norm_eps(module: torch.nn.Module) -> float | None:
@@ -94,18 +124,28 @@ def _norm_eps(module: torch.nn.Module) -> float | None:
     return None
 
 
-def _fused_norm(norm: FusedNorm, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (..., dim) float32 -> (..., dim): the norm in one op (two with a weight offset)."""
+def _fused_norm(norm: FusedNorm, x: torch.Tensor, weight: torch.Tensor,
+                ops: cpu_fused.Ops | None = None) -> torch.Tensor:
+    """x (..., dim) float32 -> (..., dim): the norm in one op (two with a weight offset); one C++ pass
+    with ``ops`` on CPU tensors without autograd."""
+    if ops is not None and not norm.centred and _cpu_no_grad(x, weight):
+        return ops.rms_norm(x, weight, norm.eps, norm.offset)
     w = weight if norm.offset == 0.0 else weight + norm.offset
     if norm.centred:
         return F.layer_norm(x, (norm.dim,), w, None, norm.eps)
     return F.rms_norm(x, (norm.dim,), w, norm.eps)
 
 
+def _cpu_no_grad(*tensors: torch.Tensor) -> bool:
+    """CPU tensors and nothing for autograd to record (the C++ ops have no backward)."""
+    return all(t.device.type == "cpu" for t in tensors) and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def probe_norm(module: torch.nn.Module) -> FusedNorm | None:
     """The fused form of ``module`` if its own forward computes it (random x and weight, float32), else None.
     Candidates: a module with a 1-D float32 ``weight``, an ``eps`` attribute and no children (torch's own
-    norm modules are one op already)."""
+    norm modules are one op already). ``cpp`` is set when the C++ ops load and compute it too."""
     weight = getattr(module, "weight", None)
     eps = _norm_eps(module)
     if (eps is None or not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1
@@ -124,7 +164,9 @@ def probe_norm(module: torch.nn.Module) -> FusedNorm | None:
                 for offset in (0.0, 1.0):
                     fused = FusedNorm(dim, eps, offset, centred)
                     if _close(want, _fused_norm(fused, x, probe.weight)):
-                        return fused
+                        ops = None if centred else cpp_ops()
+                        cpp = ops is not None and _close(want, _fused_norm(fused, x, probe.weight, ops))
+                        return FusedNorm(dim, eps, offset, centred, cpp)
     except Exception:  # a module that is not a plain x -> norm(x) forward is simply not a candidate
         return None
     return None
@@ -133,7 +175,8 @@ def probe_norm(module: torch.nn.Module) -> FusedNorm | None:
 def _norm_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """x (..., dim) -> (..., dim): the fused op inside the engine's scope on float32, else the module's own."""
     if not torch.compiler.is_compiling() and _active() and x.dtype == torch.float32 and not args and not kwargs:
-        return _fused_norm(self._flashpage_norm, x, self.weight)
+        norm = self._flashpage_norm
+        return _fused_norm(norm, x, self.weight, _step_ops() if norm.cpp else None)
     return type(self).forward(self, x, *args, **kwargs)
 
 
@@ -150,26 +193,42 @@ def _rotary_tables(cos: torch.Tensor, sin: torch.Tensor, dim: int) -> tuple[torc
     return c, signed
 
 
+def _rotary_cpp_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     unsqueeze_dim: int) -> bool:
+    """Whether the C++ rotary takes these: 4-D q / k, (B or 1, L, D) cos / sin, D even, CPU, no autograd."""
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape or unsqueeze_dim not in (1, 2):
+        return False
+    length = 2 if unsqueeze_dim == 1 else 1
+    return (q.shape[-1] % 2 == 0 and cos.shape[0] in (1, q.shape[0]) and q.shape[0] == k.shape[0]
+            and cos.shape[1] == q.shape[length] == k.shape[length] and _cpu_no_grad(q, k, cos, sin))
+
+
 def fused_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                 unsqueeze_dim: int = 1, ops: cpu_fused.Ops | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, H, L, D), k (B, Hk, L, D) (or (B, L, H, D) with ``unsqueeze_dim=2``), cos/sin (B, L, D):
-    ``x * cos + rotate_half(x) * sin`` for both, as ``addcmul(x * cos, roll(x, D/2), sin_signed)``."""
+    ``x * cos + rotate_half(x) * sin`` for both, as ``addcmul(x * cos, roll(x, D/2), sin_signed)``, or
+    one C++ pass with ``ops`` (new tensors laid out (B, L, H, D) in memory)."""
+    if ops is not None and _rotary_cpp_fits(q, k, cos, sin, unsqueeze_dim):
+        return ops.rotary(q, k, cos, sin, unsqueeze_dim)
     c, s = _rotary_tables(cos, sin, unsqueeze_dim)
     half = q.shape[-1] // 2
     return (torch.addcmul(q * c, q.roll(half, -1), s), torch.addcmul(k * c, k.roll(half, -1), s))
 
 
-def _probe_rotary(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn(q, k, cos, sin[, unsqueeze_dim=2])`` is the half-rotation RoPE of :func:`fused_rotary`."""
+def _probe_rotary(fn: Callable[..., Any], ops: cpu_fused.Ops | None = None) -> bool:
+    """Whether ``fn(q, k, cos, sin[, unsqueeze_dim=2])`` is the half-rotation RoPE of :func:`fused_rotary`
+    (in its C++ form with ``ops``)."""
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(2, 4, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)
     cos, sin = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
     try:
-        if "unsqueeze_dim" in inspect.signature(fn).parameters:
-            qt, kt = q.transpose(1, 2), k.transpose(1, 2)
-            if not _close(fn(qt, kt, cos, sin, unsqueeze_dim=2), _unrolled(fused_rotary, qt, kt, cos, sin, 2)):
-                return False
-        return _close(fn(q, k, cos, sin), _unrolled(fused_rotary, q, k, cos, sin, 1))
+        with torch.no_grad():
+            if "unsqueeze_dim" in inspect.signature(fn).parameters:
+                qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+                if not _close(fn(qt, kt, cos, sin, unsqueeze_dim=2),
+                              _unrolled(fused_rotary, qt, kt, cos, sin, 2, ops)):
+                    return False
+            return _close(fn(q, k, cos, sin), _unrolled(fused_rotary, q, k, cos, sin, 1, ops))
     except Exception:  # another signature or another rotation: not a candidate
         return False
 
@@ -183,26 +242,29 @@ def _unrolled(fn: Callable[..., Any], *args: Any) -> Any:
         _STATE.rotary = saved
 
 
-def _rotary_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``original`` with the fused form taken inside the engine's scope for float32, full-width rotary."""
+def _rotary_dispatch(original: Callable[..., Any], cpp: bool) -> Callable[..., Any]:
+    """``original`` with the fused form taken inside the engine's scope for float32, full-width rotary;
+    the C++ form where ``_flashpage_cpp`` (its probe passed) and the step has the ops."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         if (not torch.compiler.is_compiling() and _active() and not args
                 and q.dtype == k.dtype == cos.dtype == sin.dtype == torch.float32
                 and cos.shape[-1] == q.shape[-1] == k.shape[-1] and set(kwargs) <= {"unsqueeze_dim"}):
-            return fused_rotary(q, k, cos, sin, kwargs.get("unsqueeze_dim", 1))
+            ops = _step_ops() if apply_rotary_pos_emb._flashpage_cpp else None  # type: ignore[attr-defined]
+            return fused_rotary(q, k, cos, sin, kwargs.get("unsqueeze_dim", 1), ops)
         return original(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
     apply_rotary_pos_emb._flashpage_rotary = True  # type: ignore[attr-defined]
+    apply_rotary_pos_emb._flashpage_cpp = cpp  # type: ignore[attr-defined]
     apply_rotary_pos_emb.__doc__ = original.__doc__
     return apply_rotary_pos_emb
 
 
 def install_rotary(model: torch.nn.Module) -> list[str]:
     """Give the modeling modules of ``model``'s classes whose ``apply_rotary_pos_emb`` passes the probe
-    the scoped fused form (a module global: the dispatcher calls the original outside the scope).
-    Returns the modeling modules that have it."""
+    the scoped fused form (a module global: the dispatcher calls the original outside the scope), with
+    the C++ form where the ops load and pass the probe too. Returns the modeling modules that have it."""
     done: list[str] = []
     for name in sorted({type(m).__module__ for m in model.modules()}):
         mod = sys.modules.get(name)
@@ -210,9 +272,12 @@ def install_rotary(model: torch.nn.Module) -> list[str]:
         if not isinstance(fn, types.FunctionType):
             continue
         if getattr(fn, "_flashpage_rotary", False):
+            if not fn._flashpage_cpp and (ops := cpp_ops()) is not None:  # installed while the ops were off
+                fn._flashpage_cpp = _probe_rotary(fn.__wrapped__, ops)
             done.append(name)
         elif _probe_rotary(fn):
-            mod.apply_rotary_pos_emb = _rotary_dispatch(fn)
+            ops = cpp_ops()
+            mod.apply_rotary_pos_emb = _rotary_dispatch(fn, ops is not None and _probe_rotary(fn, ops))
             done.append(name)
     return done
 
@@ -226,8 +291,17 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 _IN_PLACE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": lambda t: F.silu(t, inplace=True)}
 
 
-def probe_mlp(module: torch.nn.Module) -> str | None:
-    """The activation name if ``module.forward(x)`` is ``down(act(gate(x)) * up(x))`` (checked on random x),
+@dataclass(frozen=True)
+class FusedMLP:
+    """A gated MLP's fused form: its activation's name (a key of ``_ACTIVATIONS``) and whether the C++
+    activation-and-product passed the probe too."""
+
+    act: str
+    cpp: bool = False
+
+
+def probe_mlp(module: torch.nn.Module) -> FusedMLP | None:
+    """The fused form if ``module.forward(x)`` is ``down(act(gate(x)) * up(x))`` (checked on random x),
     else None. Candidates: ``gate_proj``, ``up_proj``, ``down_proj`` linears and an ``act_fn``."""
     parts = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     act = getattr(module, "act_fn", None)
@@ -244,7 +318,11 @@ def probe_mlp(module: torch.nn.Module) -> str | None:
             h, u = probe.gate_proj(x), probe.up_proj(x)
             for name, fn in _ACTIVATIONS.items():
                 if _close(act(h.clone()), fn(h.clone())) and _close(want, probe.down_proj(fn(h.clone()) * u)):
-                    return name
+                    ops = cpp_ops() if name in cpu_fused.ACTIVATIONS else None
+                    both = torch.cat((h, u), dim=-1)  # the C++ form reads the halves of a fused GEMM's output
+                    cpp = ops is not None and _close(want, probe.down_proj(
+                        cpu_fused.act_and_mul(ops, both[..., :h.shape[-1]], both[..., h.shape[-1]:], name)))
+                    return FusedMLP(name, cpp)
     except Exception:  # a forward that takes more than x, or depends on the full widths
         return None
     return None
@@ -278,12 +356,17 @@ def _owns_storage(t: torch.Tensor) -> bool:
 
 
 def _mlp_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """x (..., hidden) -> (..., hidden): activation and product in place inside the engine's scope."""
+    """x (..., hidden) -> (..., hidden): activation and product in one C++ pass, or in place, inside the
+    engine's scope."""
     if (not torch.compiler.is_compiling() and _active() and x.dtype == torch.float32 and not args and not kwargs
             and torch.is_inference_mode_enabled()):
+        fused: FusedMLP = self._flashpage_mlp
         gate = self.gate_proj(x)
-        act = _IN_PLACE.get(self._flashpage_mlp) if _owns_storage(gate) else None  # never into a view
-        h = act(gate) if act is not None else _ACTIVATIONS[self._flashpage_mlp](gate)  # a tensor of our own
+        ops = _step_ops() if fused.cpp else None
+        if ops is not None and x.device.type == "cpu":  # gate / up may be views of one fused GEMM output
+            return self.down_proj(ops.act_and_mul(gate, self.up_proj(x), cpu_fused.ACTIVATIONS[fused.act]))
+        act = _IN_PLACE.get(fused.act) if _owns_storage(gate) else None  # never into a view
+        h = act(gate) if act is not None else _ACTIVATIONS[fused.act](gate)  # a tensor of our own
         return self.down_proj(h.mul_(self.up_proj(x)))
     return type(self).forward(self, x, *args, **kwargs)
 
@@ -291,18 +374,21 @@ def _mlp_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: A
 # ------------------------------------------------------------------------------------------- install
 @dataclass(frozen=True)
 class FastPath:
-    """What :func:`install_fastpath` gave a model: counts of fused modules, modules with fused rotary."""
+    """What :func:`install_fastpath` gave a model: counts of fused modules, modules with fused rotary, and
+    how many of those forms (norm / MLP modules, rotary modules) passed the probe of their C++ form."""
 
     norms: int = 0
     mlps: int = 0
     rotary: tuple[str, ...] = ()
+    cpp: int = 0
 
     @property
     def any(self) -> bool:
         return bool(self.norms or self.mlps or self.rotary)
 
     def describe(self) -> str:
-        return f"{self.norms} norms, {self.mlps} gated MLPs, rotary in {len(self.rotary)} modeling module(s)"
+        return (f"{self.norms} norms, {self.mlps} gated MLPs, rotary in {len(self.rotary)} modeling module(s)"
+                f"; {self.cpp} of these in C++")
 
 
 def _install_forward(module: torch.nn.Module, forward: Callable[..., Any], attr: str, value: Any) -> bool:
@@ -314,6 +400,14 @@ def _install_forward(module: torch.nn.Module, forward: Callable[..., Any], attr:
     return True
 
 
+def _recheck(module: torch.nn.Module, attr: str, probe: Callable[[torch.nn.Module], Any]) -> None:
+    """An installed module whose C++ form was not probed (the ops were off then): probe it now if they load."""
+    if not getattr(module, attr).cpp and cpp_ops() is not None:
+        fresh = probe(module)
+        if fresh is not None and fresh.cpp:
+            setattr(module, attr, fresh)
+
+
 def install_fastpath(model: torch.nn.Module) -> FastPath:
     """Probe every norm and gated MLP of ``model`` and the rotary of its modeling modules; give those that
     pass the scoped fused forward (idempotent). Nothing changes when ``FLASHPAGE_FASTPATH=0``."""
@@ -322,16 +416,22 @@ def install_fastpath(model: torch.nn.Module) -> FastPath:
     norms = mlps = 0
     for module in model.modules():
         if getattr(vars(module).get("forward"), "__func__", None) is _norm_forward:
+            _recheck(module, "_flashpage_norm", probe_norm)
             norms += 1
             continue
         if getattr(vars(module).get("forward"), "__func__", None) is _mlp_forward:
+            _recheck(module, "_flashpage_mlp", probe_mlp)
             mlps += 1
             continue
         fused = probe_norm(module)
         if fused is not None:
             norms += _install_forward(module, _norm_forward, "_flashpage_norm", fused)
             continue
-        act = probe_mlp(module)
-        if act is not None:
-            mlps += _install_forward(module, _mlp_forward, "_flashpage_mlp", act)
-    return FastPath(norms=norms, mlps=mlps, rotary=tuple(install_rotary(model)))
+        mlp = probe_mlp(module)
+        if mlp is not None:
+            mlps += _install_forward(module, _mlp_forward, "_flashpage_mlp", mlp)
+    rotary = tuple(install_rotary(model))
+    cpp = sum(getattr(vars(m).get(attr), "cpp", False) for m in model.modules()
+              for attr in ("_flashpage_norm", "_flashpage_mlp"))
+    cpp += sum(sys.modules[name].apply_rotary_pos_emb._flashpage_cpp for name in rotary)
+    return FastPath(norms=norms, mlps=mlps, rotary=rotary, cpp=cpp)

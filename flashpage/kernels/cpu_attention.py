@@ -473,7 +473,78 @@ inline void softmax_update(Work<float>& w, int64_t r, int64_t dv, float* s, int6
   w.l[r] += _mm512_reduce_add_ps(sum);
 }
 
-// The same tile as attend_tile, float32: per page, each row's visible keys scored (qk_row), its online
+// Scores of R query rows (at q, row stride d) against n keys held transposed in kt (d rows of ldk
+// floats, zero past n, ldk a multiple of 32): s[r * lds + j]. R rows x 2 vectors of 16 keys stay in
+// registers over d (a GEMM micro-kernel: every key vector is loaded once for the R rows).
+template <int R>
+inline void qk_block(const float* q, int64_t d, const float* kt, int64_t ldk, int64_t n, float* s, int64_t lds) {
+  for (int64_t j = 0; j < n; j += 32) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t x = 0; x < d; ++x) {
+      const __m512 k0 = _mm512_loadu_ps(kt + x * ldk + j), k1 = _mm512_loadu_ps(kt + x * ldk + j + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 qb = _mm512_set1_ps(q[r * d + x]);
+        acc[r][0] = _mm512_fmadd_ps(qb, k0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(qb, k1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_mask_storeu_ps(s + r * lds + j, lanes(n - j), acc[r][0]);
+      if (n - j > 16) _mm512_mask_storeu_ps(s + r * lds + j + 16, lanes(n - j - 16), acc[r][1]);
+    }
+  }
+}
+
+// dst[c * ds + i] = src[i * ss + c] for i < 16 (0 for i >= rows), c < cols (a 16 x 16 block through
+// registers: unpack, shuffle, then two 128-bit lane exchanges).
+inline void transpose16(const float* src, int64_t ss, int64_t rows, int64_t cols, float* dst, int64_t ds) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_maskz_loadu_ps(lanes(cols), src + i * ss) : _mm512_setzero_ps();
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 4; ++i) {
+      t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+      t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xDD);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
+  }
+  for (int c = 0; c < cols; ++c) _mm512_storeu_ps(dst + c * ds, r[c]);
+}
+
+// Every row's scores against the page's n keys (key j at k + j * ks), for tiles of many rows: the keys
+// are transposed once into kt, then qk_block runs 8 rows at a time. Scores outside a row's visible
+// keys are computed too (the caller reads only its span).
+inline void qk_page(const float* q, int64_t rows, int64_t d, const float* k, int64_t ks, int64_t n, float* s,
+                    std::vector<float>& kt) {
+  const int64_t ldk = (n + 31) / 32 * 32;
+  kt.resize(d * ldk);
+  for (int64_t j = 0; j < ldk; j += 16) {
+    const int64_t keys = std::max<int64_t>(0, std::min<int64_t>(16, n - j));  // 0: a block of padding
+    for (int64_t x = 0; x < d; x += 16)
+      transpose16(k + j * ks + x, ks, keys, std::min<int64_t>(16, d - x), kt.data() + x * ldk + j, ldk);
+  }
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) qk_block<8>(q + r * d, d, kt.data(), ldk, n, s + r * n, n);
+  for (; r + 4 <= rows; r += 4) qk_block<4>(q + r * d, d, kt.data(), ldk, n, s + r * n, n);
+  for (; r < rows; ++r) qk_block<1>(q + r * d, d, kt.data(), ldk, n, s + r * n, n);
+}
+
+constexpr int64_t kTileRows = 16;  // tiles with this many (query, head) rows score each page with qk_page
+
+// The same tile as attend_tile, float32: per page, each row's visible keys scored (qk_row; a tile of
+// kTileRows rows or more: all rows at once, qk_page), its online
 // softmax updated, then P.V for 4 rows at a time over the union of their visible keys.
 inline void attend_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1, Work<float>& w,
                         QkFn qk) {
@@ -485,6 +556,8 @@ inline void attend_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0,
   w.s.resize(rows * a.page);
   w.span.resize(2 * rows);
   int64_t* span = w.span.data();
+  const bool tiled = rows >= kTileRows;
+  static thread_local std::vector<float> kt;  // the page's keys transposed (qk_page)
   int64_t lo = 0, hi = sk;
   if (a.left >= 0) lo = std::max<int64_t>(0, i0 + shift - a.left);
   if (a.right >= 0) hi = std::min<int64_t>(sk, i1 - 1 + shift + a.right + 1);
@@ -494,6 +567,7 @@ inline void attend_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0,
     const int64_t j0 = std::max(lo, p * a.page), j1 = std::min(hi, (p + 1) * a.page), n = j1 - j0;
     const float* k0 = a.k + blk * a.k_b + hk * a.k_h + (j0 - p * a.page) * a.k_p;
     const float* v0 = a.v + blk * a.v_b + hk * a.v_h + (j0 - p * a.page) * a.v_p;
+    if (tiled) qk_page(w.q.data(), rows, d, k0, a.k_p, n, w.s.data(), kt);
     for (int64_t r = 0; r < rows; ++r) {
       int64_t s0, s1;
       row_span(a, i0 + r / group, shift, j0, j1, s0, s1);
@@ -503,7 +577,7 @@ inline void attend_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0,
       span[2 * r + 1] = s1;
       if (s0 >= s1) continue;
       float* srow = w.s.data() + r * n;
-      qk(w.q.data() + r * d, k0 + s0 * a.k_p, a.k_p, s1 - s0, d, srow + s0);
+      if (!tiled) qk(w.q.data() + r * d, k0 + s0 * a.k_p, a.k_p, s1 - s0, d, srow + s0);
       if (a.softcap > 0)
         for (int64_t j = s0; j < s1; ++j) srow[j] = a.softcap * std::tanh(srow[j]);
       softmax_update(w, r, dv, srow + s0, s1 - s0);

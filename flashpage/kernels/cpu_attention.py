@@ -7,10 +7,10 @@ intervals, so nothing is masked: only visible keys are visited), the G query hea
 sharing each key / value load, ``at::parallel_for`` over the tasks. Decode tiles (at most 4 query
 rows) of a float32 call on an AVX-512 CPU take every KV head in one task instead: a page row holds
 all the heads of a token, so the task reads each page front to back (decode is bound by memory
-bandwidth) and prefetches the next page; with fewer decode tiles than threads they split per head. Same contract as the reference
-(shared/design/flash-attn-contract.md section 3): bottom-right causal, sliding window, softcap,
-attention sinks, a row with no visible key returns 0. float32 and float64 only; anything else
-(half types, ALiBi, LSE, autograd) stays on the reference.
+bandwidth) and prefetches the next page; with fewer decode tiles than threads they split per head.
+Same contract as the reference (shared/design/flash-attn-contract.md section 3): bottom-right causal,
+sliding window, softcap, attention sinks, a row with no visible key returns 0. float32 and float64
+only; anything else (half types, ALiBi, LSE, autograd) stays on the reference.
 
 The same library has the K/V store (:func:`store_kv`: one call writes a layer's new K and V rows
 into their slots). It is built with ``torch.utils.cpp_extension.load_inline`` into torch's extension cache
@@ -35,7 +35,7 @@ import torch
 
 ENV = "FLASHPAGE_CPU_ATTENTION"  # "reference" forces the PyTorch path; anything else / unset: auto
 _DTYPES = (torch.float32, torch.float64)
-_VERSION = 7  # bump when the C++ source changes meaning (the source hash also rebuilds)
+_VERSION = 8  # bump when the C++ source changes meaning (the source hash also rebuilds)
 
 _SOURCE = r"""
 #include <ATen/Dispatch.h>
@@ -642,10 +642,11 @@ inline void prefetch_rows(const float* base, int64_t stride, int64_t width, int6
   }
 }
 
-constexpr int64_t kChunk = 16;  // keys per step of a decode tile's walk over a page
+constexpr int64_t kKeyChunk = 64;    // keys per step of a decode tile's walk over a page's K rows
+constexpr int64_t kValueChunk = 64;  // and over its V rows
 
 // A decode tile (few query rows) for KV heads h0 .. h1-1 together. The flash-attn page keeps a token's heads
-// in one row, so each page's K rows and then its V rows are read front to back, kChunk rows (every head) at a
+// in one row, so each page's K rows and then its V rows are read front to back, a chunk of rows (every head) at a
 // time, while the next page (`after` once this tile's pages run out: the following task's first) is
 // prefetched one chunk's share per step. Same results as attend_tile on each head.
 inline void attend_decode(const Args<float>& a, int64_t b, int64_t h0, int64_t h1, int64_t i0, int64_t i1,
@@ -663,16 +664,16 @@ inline void attend_decode(const Args<float>& a, int64_t b, int64_t h0, int64_t h
   for (int64_t p = lo / a.page; p * a.page < hi; ++p) {
     const PageRows cur = page_rows(a, b, h0, p, lo, hi);
     const PageRows next = (p + 1) * a.page < hi ? page_rows(a, b, h0, p + 1, lo, hi) : after;
-    const int64_t j0 = std::max(lo, p * a.page), n = cur.n, chunks = (n + kChunk - 1) / kChunk;
+    const int64_t j0 = std::max(lo, p * a.page), n = cur.n;
     for (int64_t r = 0; r < rows; ++r) {
       row_span(a, i0 + (r / group) % (i1 - i0), shift, j0, j0 + n, span[2 * r], span[2 * r + 1]);
       span[2 * r] -= j0;
       span[2 * r + 1] -= j0;
     }
-    for (int64_t c = 0; c < chunks; ++c) {  // scores, kChunk keys of every head at a time
+    for (int64_t c = 0, chunks = (n + kKeyChunk - 1) / kKeyChunk; c < chunks; ++c) {  // scores, chunk by chunk
       prefetch_rows(next.k, a.k_p, k_width, next.n * c / chunks, next.n * (c + 1) / chunks);
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t s0 = std::max(span[2 * r], c * kChunk), s1 = std::min(span[2 * r + 1], (c + 1) * kChunk);
+        const int64_t s0 = std::max(span[2 * r], c * kKeyChunk), s1 = std::min(span[2 * r + 1], (c + 1) * kKeyChunk);
         if (s0 < s1)
           qk(w.q.data() + r * d, cur.k + (r / per_head) * a.k_h + s0 * a.k_p, a.k_p, s1 - s0, d,
              w.s.data() + r * n + s0);
@@ -705,11 +706,12 @@ inline void attend_decode(const Args<float>& a, int64_t b, int64_t h0, int64_t h
       span[2 * r0] = u0;
       span[2 * r0 + 1] = u1;
     }
-    for (int64_t c = 0; c < chunks; ++c) {  // values, kChunk rows of every head at a time
+    for (int64_t c = 0, chunks = (n + kValueChunk - 1) / kValueChunk; c < chunks; ++c) {  // values
       prefetch_rows(next.v, a.v_p, v_width, next.n * c / chunks, next.n * (c + 1) / chunks);
       for (int64_t r0 = 0; r0 < rows; r0 += std::min<int64_t>(4, per_head - r0 % per_head)) {
         const int64_t nr = std::min<int64_t>(4, per_head - r0 % per_head);
-        const int64_t x0 = std::max(span[2 * r0], c * kChunk), x1 = std::min(span[2 * r0 + 1], (c + 1) * kChunk);
+        const int64_t x0 = std::max(span[2 * r0], c * kValueChunk);
+        const int64_t x1 = std::min(span[2 * r0 + 1], (c + 1) * kValueChunk);
         if (x0 >= x1) continue;
         float* o = w.acc.data() + r0 * dv;
         const float* pr = w.s.data() + r0 * n;

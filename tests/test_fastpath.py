@@ -231,3 +231,15 @@ def test_bench_counts_fewer_ops_for_each_fused_part():
     assert rows["decoder layer"]["ops_fused"] < rows["decoder layer"]["ops_own"]
     assert all(r["us_fused"] > 0 and r["us_own"] > 0 for r in rows.values())
     assert "decoder layer" in bench.format_report(result)
+
+
+def test_engine_ab_alternates_the_switch_with_identical_tokens(monkeypatch):
+    from flashpage.bench import fastpath as bench
+    from flashpage.tiny import tiny_model_path
+
+    monkeypatch.setenv(fastpath.ENV, "1")
+    result = bench.engine_ab(str(tiny_model_path()), pairs=1, quick=True, modes=("torch", "1"))
+    assert [r["mode"] for r in result["runs"]] == ["torch", "1"]
+    assert all(r["identical"] == r["requests"] > 0 and r["tok_s"] > 0 for r in result["runs"])
+    assert "ratios 1/torch per pair" in bench.format_engine_report(result)
+    assert fastpath.cpp_wanted(), "the switch is restored"

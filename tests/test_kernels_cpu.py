@@ -37,7 +37,7 @@ def _one_thread():
 @st.composite
 def batches(draw) -> dict:
     batch = draw(st.integers(1, 5))
-    seq_q = draw(st.lists(st.sampled_from([0, 1, 1, 1, 2, 7, 19, 40]), min_size=batch, max_size=batch))
+    seq_q = draw(st.lists(st.sampled_from([0, 1, 1, 1, 2, 4, 5, 7, 19, 40]), min_size=batch, max_size=batch))
     seq_k = draw(st.lists(st.integers(0, 300), min_size=batch, max_size=batch))
     head_dim = draw(st.sampled_from([16, 64, 72, 80, 144]))
     return dict(
@@ -46,7 +46,7 @@ def batches(draw) -> dict:
         page=draw(st.sampled_from([1, 16, 128])),
         head_dim=head_dim,
         value_dim=draw(st.sampled_from([head_dim, head_dim, 32])),
-        kv_heads=draw(st.sampled_from([1, 2])),
+        kv_heads=draw(st.sampled_from([1, 2, 3])),
         group=draw(st.sampled_from([1, 2, 4, 8])),
         dtype=draw(st.sampled_from([torch.float32, torch.float64])),
         causal=draw(st.booleans()),
@@ -126,6 +126,50 @@ def test_kernel_matches_oracle(c: dict):
     fin = torch.isfinite(ref_lse)
     if fin.any():
         assert ((lse.double()[fin] - ref_lse[fin]).abs() / (1 + ref_lse[fin].abs())).max().item() <= 1e-5
+
+
+def _check(c: dict, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run config ``c`` on ``threads`` threads, check it against the oracle; returns (out, lse)."""
+    t = _build(c)
+    scale = c["head_dim"] ** -0.5
+    cu = torch.tensor([0, *c["seq_q"]]).cumsum(0)
+    sk = torch.tensor(c["seq_k"], dtype=torch.int32)
+    window = cpu_attention.window_sides(c["causal"], c["window"])
+    torch.set_num_threads(threads)
+    try:
+        out, lse = cpu_attention.paged_attention(t["q"], t["k_pages"], t["v_pages"], t["table"], sk, cu, scale,
+                                                 c["softcap"], window, t["sinks"], generic=c["generic"])
+    finally:
+        torch.set_num_threads(1)
+    ref, ref_lse = _oracle(c, t, scale)
+    assert (out.double() - ref).abs().max().item() <= _tolerance(ref, c["dtype"])
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert ((lse.double()[fin] - ref_lse[fin]).abs() / (1 + ref_lse[fin].abs())).max().item() <= 1e-5
+    return out, lse
+
+
+_STEP = dict(page=16, head_dim=64, value_dim=64, group=2, dtype=torch.float32, causal=True, softcap=0.0,
+             s_aux=False, extra_cols=2, generic=False)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+@pytest.mark.parametrize("window", [(-1, -1), (20, 0)])
+@pytest.mark.parametrize("generic", [False, True])
+def test_decode_step_many_sequences(kv_heads, window, generic):
+    """A decode-heavy step (the float32 AVX-512 path reads every KV head of a page row in one task):
+    40 sequences of 1-4 query rows next to a prefill chunk, several KV heads, pages in shuffled order,
+    tables padded with -1, a sliding window; then the same step on 2 threads (one decode sequence per
+    thread at most: tasks split per KV head) gives the same bits as on one."""
+    g = torch.Generator().manual_seed(kv_heads * 7 + (window[0] > 0))
+    seq_q = [1 + int(x) % 4 for x in torch.randint(0, 16, (40,), generator=g)] + [37]
+    seq_k = [q + int(x) for q, x in zip(seq_q, torch.randint(0, 150, (41,), generator=g), strict=True)]
+    c = dict(_STEP, seq_q=seq_q, seq_k=seq_k, kv_heads=kv_heads, window=window, seed=kv_heads, generic=generic)
+    out1, lse1 = _check(c)
+    out2, lse2 = _check(c, threads=2)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    few = dict(c, seq_q=[1], seq_k=[150])  # one decode, 2 threads: one task per KV head
+    assert all(torch.equal(x, y) for x, y in zip(_check(few), _check(few, threads=2), strict=True))
 
 
 def _layer_case(seed: int, sq: int, lengths: list[int], page: int = 16, dtype=torch.float32):

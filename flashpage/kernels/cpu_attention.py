@@ -4,7 +4,10 @@ The PyTorch reference gathers every sequence's pages into padded tensors and run
 softmax; this kernel reads K/V pages in place instead: one task per (sequence, KV head, tile of
 query rows), an online softmax over the keys a row can see (causal and sliding-window masks are
 intervals, so nothing is masked: only visible keys are visited), the G query heads of a GQA group
-sharing each key / value load, ``at::parallel_for`` over the tasks. Same contract as the reference
+sharing each key / value load, ``at::parallel_for`` over the tasks. Decode tiles (at most 4 query
+rows) of a float32 call on an AVX-512 CPU take every KV head in one task instead: a page row holds
+all the heads of a token, so the task reads each page front to back (decode is bound by memory
+bandwidth) and prefetches the next page; with fewer decode tiles than threads they split per head. Same contract as the reference
 (shared/design/flash-attn-contract.md section 3): bottom-right causal, sliding window, softcap,
 attention sinks, a row with no visible key returns 0. float32 and float64 only; anything else
 (half types, ALiBi, LSE, autograd) stays on the reference.
@@ -182,42 +185,43 @@ void pv_rows(T* o, const T* p, const T* v, int64_t vs, int64_t rows, int64_t n, 
 }
 
 // The tile's queries times the softmax factor, and the running max / sum initialised (sinks: the
-// sink logit is a key every row sees, with no value).
+// sink logit is a key every row sees, with no value). KV heads h0 .. h1-1: row r = ((hk - h0) * (i1 - i0) +
+// i - i0) * group + g holds query row i, head hk * group + g.
 template <typename T>
-void start_tile(const Args<T>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1, Work<T>& w) {
+void start_tile(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, int64_t i0, int64_t i1, Work<T>& w) {
   const int64_t group = a.heads / a.kv_heads, d = a.d;
-  const int64_t rows = (i1 - i0) * group;
+  const int64_t rows = (h1 - h0) * (i1 - i0) * group;
   w.q.resize(rows * a.d);
   w.acc.assign(rows * a.dv, T(0));
   w.m.resize(rows);
   w.l.resize(rows);
-  for (int64_t i = i0; i < i1; ++i) {
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t r = (i - i0) * group + g, h = hk * group + g;
-      const T* src = a.q + (a.cu_q[b] + i) * a.q_t + h * a.q_h;
-      T* dst = w.q.data() + r * d;
-      for (int64_t x = 0; x < d; ++x) dst[x] = src[x] * a.factor;
-      w.m[r] = a.sinks ? a.sinks[h] : -std::numeric_limits<T>::infinity();
-      w.l[r] = a.sinks ? T(1) : T(0);
-    }
-  }
+  for (int64_t hk = h0; hk < h1; ++hk)
+    for (int64_t i = i0; i < i1; ++i)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = ((hk - h0) * (i1 - i0) + i - i0) * group + g, h = hk * group + g;
+        const T* src = a.q + (a.cu_q[b] + i) * a.q_t + h * a.q_h;
+        T* dst = w.q.data() + r * d;
+        for (int64_t x = 0; x < d; ++x) dst[x] = src[x] * a.factor;
+        w.m[r] = a.sinks ? a.sinks[h] : -std::numeric_limits<T>::infinity();
+        w.l[r] = a.sinks ? T(1) : T(0);
+      }
 }
 
-// out rows = acc / l, or 0 where a row saw no key (and no sink).
+// out rows = acc / l, or 0 where a row saw no key (and no sink); rows ordered as in start_tile.
 template <typename T>
-void finish_tile(const Args<T>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1, const Work<T>& w) {
+void finish_tile(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, int64_t i0, int64_t i1, const Work<T>& w) {
   const int64_t group = a.heads / a.kv_heads, dv = a.dv;
-  for (int64_t i = i0; i < i1; ++i) {
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t r = (i - i0) * group + g, h = hk * group + g;
-      T* dst = a.out + (a.cu_q[b] + i) * a.o_t + h * a.o_h;
-      const T* o = w.acc.data() + r * dv;
-      const T inv = w.l[r] > 0 ? T(1) / w.l[r] : T(0);
-      for (int64_t x = 0; x < dv; ++x) dst[x] = o[x] * inv;
-      a.lse[(a.cu_q[b] + i) * a.heads + h] =
-          w.l[r] > 0 ? w.m[r] + std::log(w.l[r]) : std::numeric_limits<T>::infinity();
-    }
-  }
+  for (int64_t hk = h0; hk < h1; ++hk)
+    for (int64_t i = i0; i < i1; ++i)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = ((hk - h0) * (i1 - i0) + i - i0) * group + g, h = hk * group + g;
+        T* dst = a.out + (a.cu_q[b] + i) * a.o_t + h * a.o_h;
+        const T* o = w.acc.data() + r * dv;
+        const T inv = w.l[r] > 0 ? T(1) / w.l[r] : T(0);
+        for (int64_t x = 0; x < dv; ++x) dst[x] = o[x] * inv;
+        a.lse[(a.cu_q[b] + i) * a.heads + h] =
+            w.l[r] > 0 ? w.m[r] + std::log(w.l[r]) : std::numeric_limits<T>::infinity();
+      }
 }
 
 // Online-softmax update of row r with scores s[0, n) (softcap already applied): s becomes the
@@ -244,6 +248,16 @@ inline void row_span(const Args<T>& a, int64_t i, int64_t shift, int64_t j0, int
   if (a.right >= 0) s1 = std::min(s1, i + shift + a.right + 1);
 }
 
+// The keys [lo, hi) some row of the tile i0 .. i1-1 of sequence b can see (keys past the table do not exist).
+template <typename T>
+inline void tile_keys(const Args<T>& a, int64_t b, int64_t i0, int64_t i1, int64_t& lo, int64_t& hi) {
+  const int64_t shift = a.seqlens_k[b] - (a.cu_q[b + 1] - a.cu_q[b]);
+  lo = 0;
+  hi = std::min(a.seqlens_k[b], a.table_w * a.page);
+  if (a.left >= 0) lo = std::max<int64_t>(0, i0 + shift - a.left);
+  if (a.right >= 0) hi = std::min<int64_t>(hi, i1 - 1 + shift + a.right + 1);
+}
+
 // Rows i0 .. i1-1 of sequence b, KV head hk, every head of the group. Few rows (decodes): scalar
 // loops per key. Many rows (prefill tiles): one GEMM per page for Q.K^T and one for P.V, on the
 // pages in place (strided views, no copy).
@@ -254,7 +268,7 @@ void attend_tile(const Args<T>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1
   const int64_t sk = std::min(a.seqlens_k[b], a.table_w * a.page);  // keys past the table do not exist
   const int64_t rows = (i1 - i0) * group;
   const bool gemm = rows >= kGemmRows;
-  start_tile(a, b, hk, i0, i1, w);
+  start_tile(a, b, hk, hk + 1, i0, i1, w);
   w.s.resize((gemm ? rows : group) * a.page);
   int64_t lo = 0, hi = sk;  // keys the whole tile can see
   if (a.left >= 0) lo = std::max<int64_t>(0, i0 + shift - a.left);
@@ -315,7 +329,7 @@ void attend_tile(const Args<T>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1
       }
     }
   }
-  finish_tile(a, b, hk, i0, i1, w);
+  finish_tile(a, b, hk, hk + 1, i0, i1, w);
 }
 
 
@@ -383,9 +397,10 @@ inline QkFn qk_for(int64_t d) {
 
 // o[r] (R rows at stride ldo, NV vectors from column x, the last one masked) += sum_j p[r][j] v_j for
 // j in [j0, j1): rows of p at stride ldp, value j at v + j * vs.
+// Always inlined: out of line, GCC 12 stores the accumulators to the stack on every key.
 template <int R, int NV>
-void pv_block(float* o, int64_t ldo, const float* p, int64_t ldp, const float* v, int64_t vs, int64_t j0, int64_t j1,
-              __mmask16 tail) {
+__attribute__((always_inline)) inline void pv_block(float* o, int64_t ldo, const float* p, int64_t ldp, const float* v,
+                                                    int64_t vs, int64_t j0, int64_t j1, __mmask16 tail) {
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NV; ++c)
@@ -537,7 +552,7 @@ inline void attend_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0,
   const int64_t sq = a.cu_q[b + 1] - a.cu_q[b], shift = a.seqlens_k[b] - sq;
   const int64_t sk = std::min(a.seqlens_k[b], a.table_w * a.page);
   const int64_t rows = (i1 - i0) * group;
-  start_tile(a, b, hk, i0, i1, w);
+  start_tile(a, b, hk, hk + 1, i0, i1, w);
   w.s.resize(rows * a.page);
   w.span.resize(2 * rows);
   int64_t* span = w.span.data();
@@ -593,37 +608,184 @@ inline void attend_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0,
       }
     }
   }
-  finish_tile(a, b, hk, i0, i1, w);
+  finish_tile(a, b, hk, hk + 1, i0, i1, w);
+}
+
+// A page's visible rows as a task reads them: K / V of the first one (head h0) and how many.
+struct PageRows {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t n = 0;
+};
+
+// Page p of sequence b, keys [lo, hi) of it, heads from h0.
+inline PageRows page_rows(const Args<float>& a, int64_t b, int64_t h0, int64_t p, int64_t lo, int64_t hi) {
+  const int64_t blk = a.table[b * a.table_b + p];
+  const int64_t j0 = std::max(lo, p * a.page), j1 = std::min(hi, (p + 1) * a.page);
+  return {a.k + blk * a.k_b + h0 * a.k_h + (j0 - p * a.page) * a.k_p,
+          a.v + blk * a.v_b + h0 * a.v_h + (j0 - p * a.page) * a.v_p, j1 - j0};
+}
+
+// The first page a decode tile reads (n = 0: it reads none).
+inline PageRows first_page(const Args<float>& a, int64_t b, int64_t h0, int64_t i0, int64_t i1) {
+  int64_t lo, hi;
+  tile_keys(a, b, i0, i1, lo, hi);
+  return lo < hi ? page_rows(a, b, h0, lo / a.page, lo, hi) : PageRows{};
+}
+
+// Software prefetch of rows r0 .. r1-1 (row r at base + r * stride, `width` floats): every cache line.
+inline void prefetch_rows(const float* base, int64_t stride, int64_t width, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uintptr_t start = reinterpret_cast<uintptr_t>(base + r * stride);
+    for (uintptr_t line = start & ~uintptr_t(63); line < start + 4 * width; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+  }
+}
+
+constexpr int64_t kChunk = 16;  // keys per step of a decode tile's walk over a page
+
+// A decode tile (few query rows) for KV heads h0 .. h1-1 together. The flash-attn page keeps a token's heads
+// in one row, so each page's K rows and then its V rows are read front to back, kChunk rows (every head) at a
+// time, while the next page (`after` once this tile's pages run out: the following task's first) is
+// prefetched one chunk's share per step. Same results as attend_tile on each head.
+inline void attend_decode(const Args<float>& a, int64_t b, int64_t h0, int64_t h1, int64_t i0, int64_t i1,
+                          Work<float>& w, QkFn qk, PageRows after) {
+  const int64_t group = a.heads / a.kv_heads, d = a.d, dv = a.dv, nh = h1 - h0;
+  const int64_t shift = a.seqlens_k[b] - (a.cu_q[b + 1] - a.cu_q[b]);
+  const int64_t per_head = (i1 - i0) * group, rows = nh * per_head;
+  const int64_t k_width = (nh - 1) * a.k_h + d, v_width = (nh - 1) * a.v_h + dv;
+  start_tile(a, b, h0, h1, i0, i1, w);
+  w.s.resize(rows * a.page);
+  w.span.resize(2 * rows);
+  int64_t* span = w.span.data();
+  int64_t lo, hi;
+  tile_keys(a, b, i0, i1, lo, hi);
+  for (int64_t p = lo / a.page; p * a.page < hi; ++p) {
+    const PageRows cur = page_rows(a, b, h0, p, lo, hi);
+    const PageRows next = (p + 1) * a.page < hi ? page_rows(a, b, h0, p + 1, lo, hi) : after;
+    const int64_t j0 = std::max(lo, p * a.page), n = cur.n, chunks = (n + kChunk - 1) / kChunk;
+    for (int64_t r = 0; r < rows; ++r) {
+      row_span(a, i0 + (r / group) % (i1 - i0), shift, j0, j0 + n, span[2 * r], span[2 * r + 1]);
+      span[2 * r] -= j0;
+      span[2 * r + 1] -= j0;
+    }
+    for (int64_t c = 0; c < chunks; ++c) {  // scores, kChunk keys of every head at a time
+      prefetch_rows(next.k, a.k_p, k_width, next.n * c / chunks, next.n * (c + 1) / chunks);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t s0 = std::max(span[2 * r], c * kChunk), s1 = std::min(span[2 * r + 1], (c + 1) * kChunk);
+        if (s0 < s1)
+          qk(w.q.data() + r * d, cur.k + (r / per_head) * a.k_h + s0 * a.k_p, a.k_p, s1 - s0, d,
+             w.s.data() + r * n + s0);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t s0 = span[2 * r], s1 = span[2 * r + 1];
+      if (s0 >= s1) continue;
+      float* srow = w.s.data() + r * n;
+      if (a.softcap > 0)
+        for (int64_t j = s0; j < s1; ++j) srow[j] = a.softcap * std::tanh(srow[j]);
+      softmax_update(w, r, dv, srow + s0, s1 - s0);
+    }
+    // P.V in blocks of up to 4 rows of one head over the union of their visible keys (zeros around each
+    // row's own); block (r0, nr) keeps its union in span[2 * r0], span[2 * r0 + 1]
+    for (int64_t r0 = 0; r0 < rows; r0 += std::min<int64_t>(4, per_head - r0 % per_head)) {
+      const int64_t nr = std::min<int64_t>(4, per_head - r0 % per_head);
+      int64_t u0 = n, u1 = 0;
+      for (int64_t r = r0; r < r0 + nr; ++r)
+        if (span[2 * r] < span[2 * r + 1]) {
+          u0 = std::min(u0, span[2 * r]);
+          u1 = std::max(u1, span[2 * r + 1]);
+        }
+      for (int64_t r = r0; r < r0 + nr && u0 < u1; ++r) {
+        float* srow = w.s.data() + r * n;
+        const int64_t s0 = std::max(u0, std::min(span[2 * r], u1)), s1 = std::max(s0, span[2 * r + 1]);
+        std::fill(srow + u0, srow + s0, 0.f);
+        std::fill(srow + std::min(s1, u1), srow + u1, 0.f);
+      }
+      span[2 * r0] = u0;
+      span[2 * r0 + 1] = u1;
+    }
+    for (int64_t c = 0; c < chunks; ++c) {  // values, kChunk rows of every head at a time
+      prefetch_rows(next.v, a.v_p, v_width, next.n * c / chunks, next.n * (c + 1) / chunks);
+      for (int64_t r0 = 0; r0 < rows; r0 += std::min<int64_t>(4, per_head - r0 % per_head)) {
+        const int64_t nr = std::min<int64_t>(4, per_head - r0 % per_head);
+        const int64_t x0 = std::max(span[2 * r0], c * kChunk), x1 = std::min(span[2 * r0 + 1], (c + 1) * kChunk);
+        if (x0 >= x1) continue;
+        float* o = w.acc.data() + r0 * dv;
+        const float* pr = w.s.data() + r0 * n;
+        const float* v = cur.v + (r0 / per_head) * a.v_h;
+        switch (nr) {
+          case 4: pv_rows<4>(o, dv, pr, n, v, a.v_p, x0, x1); break;
+          case 3: pv_rows<2>(o, dv, pr, n, v, a.v_p, x0, x1);
+                  pv_rows<1>(o + 2 * dv, dv, pr + 2 * n, n, v, a.v_p, x0, x1); break;
+          case 2: pv_rows<2>(o, dv, pr, n, v, a.v_p, x0, x1); break;
+          default: pv_rows<1>(o, dv, pr, n, v, a.v_p, x0, x1); break;
+        }
+      }
+    }
+  }
+  finish_tile(a, b, h0, h1, i0, i1, w);
 }
 
 }  // namespace fast
 #endif
 
+constexpr int64_t kDecodeRows = 4;  // float32 AVX-512 tiles with at most this many query rows: attend_decode
+
+struct Task {
+  int64_t b, i0, i1, h0, h1;  // sequence b's query rows i0 .. i1-1, KV heads h0 .. h1-1
+  bool decode;                // fast::attend_decode (h0 .. h1-1 together); else one attend_tile, h1 = h0 + 1
+};
+
+// The tasks: query tiles of kQueryTile rows, one per KV head; a decode tile (float32 AVX-512) covers all the KV
+// heads in one task, unless there are fewer decode tiles than threads (then one task per head again).
+template <typename T>
+std::vector<Task> plan_tasks(const Args<T>& a, int64_t batch, bool fast) {
+  int64_t decode_tiles = 0;
+  for (int64_t b = 0; b < batch && fast; ++b)
+    for (int64_t i = 0; i < a.cu_q[b + 1] - a.cu_q[b]; i += kQueryTile)
+      decode_tiles += std::min(kQueryTile, a.cu_q[b + 1] - a.cu_q[b] - i) <= kDecodeRows;
+  const int64_t heads_per_decode = decode_tiles < at::get_num_threads() ? 1 : a.kv_heads;
+  std::vector<Task> tasks;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i0 = 0; i0 < a.cu_q[b + 1] - a.cu_q[b]; i0 += kQueryTile) {
+      const int64_t i1 = std::min(i0 + kQueryTile, a.cu_q[b + 1] - a.cu_q[b]);
+      const bool decode = fast && i1 - i0 <= kDecodeRows;
+      const int64_t step = decode ? heads_per_decode : 1;
+      for (int64_t h0 = 0; h0 < a.kv_heads; h0 += step)
+        tasks.push_back({b, i0, i1, h0, std::min(h0 + step, a.kv_heads), decode});
+    }
+  return tasks;
+}
+
 template <typename T>
 void run(const Args<T>& a, int64_t batch, bool generic) {
-  std::vector<int64_t> tasks;  // (sequence, first query row) pairs
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t i = 0; i < a.cu_q[b + 1] - a.cu_q[b]; i += kQueryTile) {
-      tasks.push_back(b);
-      tasks.push_back(i);
-    }
-  const int64_t n = static_cast<int64_t>(tasks.size() / 2) * a.kv_heads;
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  bool fast = false;
+#if defined(__AVX512F__)
+  fast::QkFn qk = nullptr;
+  if constexpr (std::is_same_v<T, float>) qk = generic ? nullptr : fast::qk_for(a.d);
+  fast = qk != nullptr;
+#endif
+  const std::vector<Task> tasks = plan_tasks(a, batch, fast);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     Work<T> w;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t task = t / a.kv_heads, hk = t % a.kv_heads;
-      const int64_t b = tasks[2 * task], i0 = tasks[2 * task + 1];
-      const int64_t i1 = std::min(i0 + kQueryTile, a.cu_q[b + 1] - a.cu_q[b]);
+      const Task& k = tasks[t];
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, float>) {
-        const fast::QkFn qk = generic ? nullptr : fast::qk_for(a.d);
-        if (qk != nullptr) {
-          fast::attend_tile(a, b, hk, i0, i1, w, qk);
+        if (k.decode) {
+          const Task* nx = t + 1 < end && tasks[t + 1].decode ? &tasks[t + 1] : nullptr;
+          const fast::PageRows after = nx ? fast::first_page(a, nx->b, nx->h0, nx->i0, nx->i1) : fast::PageRows{};
+          fast::attend_decode(a, k.b, k.h0, k.h1, k.i0, k.i1, w, qk, after);
+          continue;
+        }
+        if (fast) {
+          fast::attend_tile(a, k.b, k.h0, k.i0, k.i1, w, qk);
           continue;
         }
       }
 #endif
-      attend_tile(a, b, hk, i0, i1, w);
+      attend_tile(a, k.b, k.h0, k.i0, k.i1, w);
     }
   });
 }

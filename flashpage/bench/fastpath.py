@@ -113,12 +113,13 @@ def engine_ab(model_name: str | None = None, pairs: int = 3, quick: bool = False
 
     bm = load_bench_model(model_name, quick=quick)
     work = make_workload("mixed", bm.vocab_size, quick=quick)
-    llm = LLM(bm.model, block_size=128, num_blocks=_pool_blocks(work, 128), max_num_batched_tokens=MAX_BATCHED_TOKENS,
-              enable_prefix_caching=True)
     saved = os.environ.get(fastpath.ENV)
     runs: list[dict[str, Any]] = []
     first: list[list[int]] | None = None
     try:
+        os.environ[fastpath.ENV] = "1"  # the probes check the C++ forms only when they may run
+        llm = LLM(bm.model, block_size=128, num_blocks=_pool_blocks(work, 128),
+                  max_num_batched_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=True)
         for i in range(pairs):
             for mode in (modes if i % 2 == 0 else modes[::-1]):
                 os.environ[fastpath.ENV] = mode

@@ -64,9 +64,15 @@ def cpp_wanted() -> bool:
 
 
 def cpp_ops() -> cpu_fused.Ops | None:
-    """The C++ ops the fused forms may take now: built (or loaded) on first use, None when unavailable
-    or switched off."""
+    """The C++ ops for a probe of a CPU module: built (or loaded) on first use, None when unavailable or
+    switched off (a model on another device never asks, so nothing is built for it)."""
     return cpu_fused.load() if cpp_wanted() else None
+
+
+def _scope_ops() -> cpu_fused.Ops | None:
+    """The C++ ops a step may take: those already loaded (by a probe), unless switched off (read once per
+    step: an A/B switch)."""
+    return cpu_fused.loaded() if cpp_wanted() else None
 
 
 def _step_ops() -> cpu_fused.Ops | None:
@@ -85,7 +91,7 @@ def fastpath_scope(enabled: bool = True) -> Iterator[None]:
         yield
         return
     if getattr(_STATE, "depth", 0) == 0:
-        _STATE.ops = cpp_ops()  # the switch is read once per step
+        _STATE.ops = _scope_ops()
     _STATE.depth = getattr(_STATE, "depth", 0) + 1
     try:
         yield
@@ -165,7 +171,7 @@ def probe_norm(module: torch.nn.Module) -> FusedNorm | None:
                 for offset in (0.0, 1.0):
                     fused = FusedNorm(dim, eps, offset, centred)
                     if _close(want, _fused_norm(fused, x, probe.weight)):
-                        ops = None if centred else cpp_ops()
+                        ops = None if centred or weight.device.type != "cpu" else cpp_ops()
                         cpp = ops is not None and _close(want, _fused_norm(fused, x, probe.weight, ops))
                         return FusedNorm(dim, eps, offset, centred, cpp)
     except Exception:  # a module that is not a plain x -> norm(x) forward is simply not a candidate
@@ -267,17 +273,18 @@ def install_rotary(model: torch.nn.Module) -> list[str]:
     the scoped fused form (a module global: the dispatcher calls the original outside the scope), with
     the C++ form where the ops load and pass the probe too. Returns the modeling modules that have it."""
     done: list[str] = []
+    cpu = any(p.device.type == "cpu" for p in model.parameters())
     for name in sorted({type(m).__module__ for m in model.modules()}):
         mod = sys.modules.get(name)
         fn = getattr(mod, "apply_rotary_pos_emb", None) if mod is not None else None
         if not isinstance(fn, types.FunctionType):
             continue
         if getattr(fn, "_flashpage_rotary", False):
-            if not fn._flashpage_cpp and (ops := cpp_ops()) is not None:  # installed while the ops were off
+            if cpu and not fn._flashpage_cpp and (ops := cpp_ops()) is not None:  # installed while they were off
                 fn._flashpage_cpp = _probe_rotary(fn.__wrapped__, ops)
             done.append(name)
         elif _probe_rotary(fn):
-            ops = cpp_ops()
+            ops = cpp_ops() if cpu else None
             mod.apply_rotary_pos_emb = _rotary_dispatch(fn, ops is not None and _probe_rotary(fn, ops))
             done.append(name)
     return done
@@ -330,7 +337,8 @@ def probe_mlp(module: torch.nn.Module) -> FusedMLP | None:
             h, u = both[..., :half], both[..., half:]  # the C++ form reads the halves of one GEMM's output
             for name, fn in _ACTIVATIONS.items():
                 if _close(act(h.clone()), fn(h.clone())) and _close(want, probe.down_proj(fn(h.clone()) * u)):
-                    ops = cpp_ops() if name in cpu_fused.ACTIVATIONS else None
+                    cpu = parts[0].weight.device.type == "cpu"
+                    ops = cpp_ops() if cpu and name in cpu_fused.ACTIVATIONS else None
                     cpp = ops is not None and _close(want, probe.down_proj(cpu_fused.act_and_mul(ops, h, u, name)))
                     return FusedMLP(name, cpp, packed)
     except Exception:  # a forward that takes more than x, or depends on the full widths
@@ -435,7 +443,8 @@ def _install_forward(module: torch.nn.Module, forward: Callable[..., Any], attr:
 
 def _recheck(module: torch.nn.Module, attr: str, probe: Callable[[torch.nn.Module], Any]) -> None:
     """An installed module whose C++ form was not probed (the ops were off then): probe it now if they load."""
-    if not getattr(module, attr).cpp and cpp_ops() is not None:
+    if (not getattr(module, attr).cpp and all(p.device.type == "cpu" for p in module.parameters())
+            and cpp_ops() is not None):
         fresh = probe(module)
         if fresh is not None and fresh.cpp:
             setattr(module, attr, fresh)

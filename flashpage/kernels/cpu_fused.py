@@ -420,6 +420,11 @@ def load() -> Ops | None:
     return _ops
 
 
+def loaded() -> Ops | None:
+    """The ops if already built or loaded in this process (never builds)."""
+    return _ops
+
+
 def status() -> Status:
     """Whether the ops are (or can be) built here, without compiling anything."""
     if _ops is not None:

@@ -270,5 +270,6 @@ def test_engine_ab_alternates_the_switch_with_identical_tokens(monkeypatch):
     result = bench.engine_ab(str(tiny_model_path()), pairs=1, quick=True, modes=("torch", "1"))
     assert [r["mode"] for r in result["runs"]] == ["torch", "1"]
     assert all(r["identical"] == r["requests"] > 0 and r["tok_s"] > 0 for r in result["runs"])
-    assert "ratios 1/torch per pair" in bench.format_engine_report(result)
+    assert "ratios 1/torch per pair (CPU time)" in bench.format_engine_report(result)
+    assert all(0 < r["cpu_seconds"] for r in result["runs"])
     assert fastpath.cpp_wanted(), "the switch is restored"

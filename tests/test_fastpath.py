@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
+from unittest import mock
 
 import pytest
 import torch
@@ -121,6 +122,32 @@ def test_gated_mlp_probe_and_in_place_product():
     assert torch.allclose(inside, own, atol=1e-5, rtol=1e-5)
 
 
+def test_packed_gate_up_mlp_probe_and_forms():
+    mlp = tiny_model("phi3").model.layers[0].mlp  # gate_up_proj, chunk(2), up * activation_fn(gate)
+    fused = fastpath.probe_mlp(mlp)
+    assert fused is not None and fused.packed and fused.act == "silu"
+    assert fused.cpp == (cpu_fused.status().name == "cpp")
+    fastpath.install_fastpath(torch.nn.Sequential(mlp))
+    x = torch.randn(3, 7, mlp.gate_up_proj.in_features)
+    own = type(mlp).forward(mlp, x)
+    for mode in ("torch", "1"):
+        with mock.patch.dict("os.environ", {fastpath.ENV: mode}), torch.inference_mode(), fastpath.fastpath_scope():
+            assert torch.allclose(mlp(x), own, atol=1e-5, rtol=1e-5), mode
+    assert fastpath.probe_mlp(_UpFirst(mlp)) is None
+
+
+class _UpFirst(torch.nn.Module):
+    """A gate_up_proj MLP whose first half is the up projection: not the packed form's order."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj, self.act_fn = mlp.gate_up_proj, mlp.down_proj, mlp.activation_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up, gate = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
 def test_silu_in_place_never_writes_into_a_view():
     mlp = tiny_model("llama").model.layers[0].mlp
     assert fastpath.probe_mlp(mlp).act == "silu"
@@ -143,7 +170,7 @@ def test_silu_in_place_never_writes_into_a_view():
 
 
 FAMILIES = ["llama", "qwen3", "gemma", "gemma2", "gemma3_text", "mistral", "phi3", "olmo2", "cohere", "gpt_neox"]
-NO_GATED_MLP = {"phi3", "gpt_neox"}  # phi3: one gate_up_proj; gpt_neox: fc -> gelu -> fc
+NO_GATED_MLP = {"gpt_neox"}  # fc -> gelu -> fc (phi3's one gate_up_proj is a gated MLP)
 CPP = cpu_fused.status().name == "cpp"
 # every family with the C++ ops where they build (the default), and a few on the torch forms (the A/B switch)
 CASES = [(m, "cpp" if CPP else "torch") for m in FAMILIES] + [(m, "torch") for m in ("llama", "gemma")] * CPP
@@ -179,6 +206,7 @@ def test_llm_tokens_and_logprobs_equal_transformers(model_type, ops, monkeypatch
     if cpp_ops is not None:
         cpp_ops = dataclasses.replace(cpp_ops, rotary=counted("rotary_cpp", cpp_ops.rotary))
     monkeypatch.setattr(fastpath, "cpp_ops", lambda: cpp_ops if fastpath.cpp_wanted() else None)
+    monkeypatch.setattr(fastpath, "_scope_ops", lambda: cpp_ops if fastpath.cpp_wanted() else None)
     monkeypatch.setenv(fastpath.ENV, "1" if ops == "cpp" else "torch")
     if model_type == "gpt_neox":  # full-width rotary (the fused forms' condition), no RMS norm, no gated MLP
         model = tiny_model(model_type, max_position_embeddings=512, rotary_pct=1.0)
@@ -195,6 +223,7 @@ def test_llm_tokens_and_logprobs_equal_transformers(model_type, ops, monkeypatch
         assert (llm.fastpath.mlps > 0) == (model_type not in NO_GATED_MLP)
         assert bool(llm.fastpath.rotary) == (model_type != "cohere")  # cohere: interleaved rotary
         assert llm.fastpath.cpp > 0 or ops == "torch", llm.fastpath.describe()  # probed: the C++ forms pass
+        calls.update(dict.fromkeys(calls, 0))  # from here: the engine's steps only, not the probes
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0),
                             use_tqdm=False)
     finally:
@@ -231,3 +260,16 @@ def test_bench_counts_fewer_ops_for_each_fused_part():
     assert rows["decoder layer"]["ops_fused"] < rows["decoder layer"]["ops_own"]
     assert all(r["us_fused"] > 0 and r["us_own"] > 0 for r in rows.values())
     assert "decoder layer" in bench.format_report(result)
+
+
+def test_engine_ab_alternates_the_switch_with_identical_tokens(monkeypatch):
+    from flashpage.bench import fastpath as bench
+    from flashpage.tiny import tiny_model_path
+
+    monkeypatch.setenv(fastpath.ENV, "1")
+    result = bench.engine_ab(str(tiny_model_path()), pairs=1, quick=True, modes=("torch", "1"))
+    assert [r["mode"] for r in result["runs"]] == ["torch", "1"]
+    assert all(r["identical"] == r["requests"] > 0 and r["tok_s"] > 0 for r in result["runs"])
+    assert "ratios 1/torch per pair (CPU time)" in bench.format_engine_report(result)
+    assert all(0 < r["cpu_seconds"] for r in result["runs"])
+    assert fastpath.cpp_wanted(), "the switch is restored"

@@ -6,6 +6,12 @@ of ``time.thread_time_ns`` over alternating fused / own-code calls, so a loaded 
 alike), with the fused forms (``flashpage/engine/fastpath.py``) inside their scope and without. The
 layer runs with transformers' sdpa attention here (the paged attention needs an engine step); its
 linears take oneDNN as in ``LLM``.
+
+``--engine PAIRS``: engine level instead. One ``LLM`` runs the mixed workload (``flashpage bench engine``'s
+requests, greedy) ``PAIRS`` times in each ``FLASHPAGE_FASTPATH`` mode (default ``torch`` = fused torch
+forms, ``1`` = with the C++ ops), modes alternating A,B,B,A,... (the switch is read once per step);
+output tokens/s per run (wall clock, and per CPU second of this process: less moved by other work on a
+loaded machine), the ratios per pair, and whether each run's tokens equal the first run's.
 """
 
 from __future__ import annotations
@@ -97,6 +103,79 @@ def run(model_name: str | None = None, tokens: tuple[int, ...] = (16, 1024), rep
             "load_average_1m": load_average(), "rows": rows}
 
 
+def engine_ab(model_name: str | None = None, pairs: int = 3, quick: bool = False,
+              modes: tuple[str, str] = ("torch", "1")) -> dict[str, Any]:
+    """Output tokens/s of the mixed workload on one ``LLM`` per ``FLASHPAGE_FASTPATH`` mode, alternating
+    (see the module docstring); the environment variable is restored afterwards."""
+    import os
+
+    from flashpage.bench.engine import MAX_BATCHED_TOKENS, _pool_blocks, _warm_prompts, make_workload
+    from flashpage.engine import LLM, SamplingParams
+
+    bm = load_bench_model(model_name, quick=quick)
+    work = make_workload("mixed", bm.vocab_size, quick=quick)
+    saved = os.environ.get(fastpath.ENV)
+    runs: list[dict[str, Any]] = []
+    first: list[list[int]] | None = None
+    try:
+        os.environ[fastpath.ENV] = "1"  # the probes check the C++ forms only when they may run
+        llm = LLM(bm.model, block_size=128, num_blocks=_pool_blocks(work, 128),
+                  max_num_batched_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=True)
+        for i in range(pairs):
+            for mode in (modes if i % 2 == 0 else modes[::-1]):
+                os.environ[fastpath.ENV] = mode
+                llm.generate(_warm_prompts(bm.vocab_size, 0), SamplingParams(max_tokens=4, temperature=0.0,
+                                                                               ignore_eos=True), use_tqdm=False)
+                llm.reset_prefix_cache()
+                cpu0 = time.process_time()
+                seconds, tokens = _timed_run(llm, work)
+                cpu = time.process_time() - cpu0
+                first = first or tokens
+                runs.append({"pair": i, "mode": mode, "seconds": seconds, "tok_s": sum(map(len, tokens)) / seconds,
+                             "cpu_seconds": cpu, "tok_cpu_s": sum(map(len, tokens)) / cpu,
+                             "identical": sum(a == b for a, b in zip(first, tokens, strict=True)),
+                             "requests": len(tokens), "load_average_1m": load_average()})
+    finally:
+        if saved is None:
+            os.environ.pop(fastpath.ENV, None)
+        else:
+            os.environ[fastpath.ENV] = saved
+    return {"model": bm.name, "fastpath": llm.fastpath.describe(), "modes": list(modes), "runs": runs}
+
+
+def _timed_run(llm: Any, work: Any) -> tuple[float, list[list[int]]]:
+    """Every request of ``work`` added at once, stepped to the end: seconds and each request's tokens."""
+    from flashpage.engine import SamplingParams
+
+    start = time.perf_counter()
+    ids = [llm.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+           for p, n in zip(work.prompts, work.max_tokens, strict=True)]
+    done: dict[str, list[int]] = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return time.perf_counter() - start, [done[i] for i in ids]
+
+
+def format_engine_report(result: dict[str, Any]) -> str:
+    a, b = result["modes"]
+    lines = [f"engine A/B, mixed workload, {result['model']} ({result['fastpath']}); "
+             f"{fastpath.ENV}={a} vs {fastpath.ENV}={b}, alternating"]
+    for r in result["runs"]:
+        lines.append(f"  pair {r['pair']} {fastpath.ENV}={r['mode']:<6} {r['seconds']:7.2f} s {r['tok_s']:8.1f} tok/s"
+                     f"  {r['cpu_seconds']:7.2f} CPU s {r['tok_cpu_s']:8.1f} tok/CPU s"
+                     f"  tokens identical {r['identical']}/{r['requests']}  load {r['load_average_1m']}")
+    for key, label in (("tok_s", "wall"), ("tok_cpu_s", "CPU time")):
+        ratios = []
+        for i in sorted({r["pair"] for r in result["runs"]}):
+            by = {r["mode"]: r[key] for r in result["runs"] if r["pair"] == i}
+            ratios.append(by[b] / by[a])
+        lines.append(f"ratios {b}/{a} per pair ({label}): " + " ".join(f"{x:.3f}" for x in ratios)
+                     + f"  (median {sorted(ratios)[len(ratios) // 2]:.3f})")
+    return "\n".join(lines)
+
+
 def format_report(result: dict[str, Any]) -> str:
     lines = [f"fastpath parts, {result['model']} ({result['fastpath']}); {result['threads']} thread(s), "
              f"load avg {result['load_average_1m']}",
@@ -113,7 +192,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the random bench Llama, 4 layers)")
     parser.add_argument("--tokens", default="16,1024", help="token counts (default 16,1024)")
     parser.add_argument("--reps", type=int, default=400, help="alternating pairs at 16 tokens (fewer when longer)")
+    parser.add_argument("--engine", type=int, default=0, metavar="PAIRS",
+                        help="engine level instead: the mixed workload on one LLM, PAIRS runs per mode, alternating")
+    parser.add_argument("--modes", default="torch,1", help=f"--engine: the two {fastpath.ENV} values (default torch,1)")
+    parser.add_argument("--quick", action="store_true", help="--engine: the quick workload and a 4-layer bench model")
     args = parser.parse_args(argv)
+    if args.engine:
+        a, b = args.modes.split(",")
+        print(format_engine_report(engine_ab(args.model, args.engine, args.quick, (a, b))))
+        return
     print(format_report(run(args.model, tuple(int(t) for t in args.tokens.split(",")), args.reps)))
 
 

@@ -11,8 +11,9 @@ calling thread) these run as fewer ops:
 - **rotary**: a modeling module's ``apply_rotary_pos_emb`` that a probe proves equal to
   ``q * cos + rotate_half(q) * sin`` runs as ``addcmul(q * cos, q.roll(D/2), sin_signed)``, with
   ``sin_signed`` (the first half negated) built once per step and shared by every layer;
-- **gated MLPs**: ``down(act(gate(x)) * up(x))`` (act a probed silu / gelu) with the activation (silu,
-  unless the gate output is a view of another tensor) and the product in place, no activation module call.
+- **gated MLPs**: ``down(act(gate(x)) * up(x))`` (act a probed silu / gelu; gate and up from two linears,
+  or the two halves of one ``gate_up_proj``: Phi-3, GLM) with the activation (silu, unless the gate output
+  is a view of another tensor) and the product in place, no activation module call.
 
 Where the one-pass C++ ops of :mod:`flashpage.kernels.cpu_fused` load (a compiler and ninja; built
 once per machine), CPU float32 steps run the RMS norms, the silu / gelu(tanh) gated products and the
@@ -63,9 +64,15 @@ def cpp_wanted() -> bool:
 
 
 def cpp_ops() -> cpu_fused.Ops | None:
-    """The C++ ops the fused forms may take now: built (or loaded) on first use, None when unavailable
-    or switched off."""
+    """The C++ ops for a probe of a CPU module: built (or loaded) on first use, None when unavailable or
+    switched off (a model on another device never asks, so nothing is built for it)."""
     return cpu_fused.load() if cpp_wanted() else None
+
+
+def _scope_ops() -> cpu_fused.Ops | None:
+    """The C++ ops a step may take: those already loaded (by a probe), unless switched off (read once per
+    step: an A/B switch)."""
+    return cpu_fused.loaded() if cpp_wanted() else None
 
 
 def _step_ops() -> cpu_fused.Ops | None:
@@ -84,7 +91,7 @@ def fastpath_scope(enabled: bool = True) -> Iterator[None]:
         yield
         return
     if getattr(_STATE, "depth", 0) == 0:
-        _STATE.ops = cpp_ops()  # the switch is read once per step
+        _STATE.ops = _scope_ops()
     _STATE.depth = getattr(_STATE, "depth", 0) + 1
     try:
         yield
@@ -164,7 +171,7 @@ def probe_norm(module: torch.nn.Module) -> FusedNorm | None:
                 for offset in (0.0, 1.0):
                     fused = FusedNorm(dim, eps, offset, centred)
                     if _close(want, _fused_norm(fused, x, probe.weight)):
-                        ops = None if centred else cpp_ops()
+                        ops = None if centred or weight.device.type != "cpu" else cpp_ops()
                         cpp = ops is not None and _close(want, _fused_norm(fused, x, probe.weight, ops))
                         return FusedNorm(dim, eps, offset, centred, cpp)
     except Exception:  # a module that is not a plain x -> norm(x) forward is simply not a candidate
@@ -266,17 +273,18 @@ def install_rotary(model: torch.nn.Module) -> list[str]:
     the scoped fused form (a module global: the dispatcher calls the original outside the scope), with
     the C++ form where the ops load and pass the probe too. Returns the modeling modules that have it."""
     done: list[str] = []
+    cpu = any(p.device.type == "cpu" for p in model.parameters())
     for name in sorted({type(m).__module__ for m in model.modules()}):
         mod = sys.modules.get(name)
         fn = getattr(mod, "apply_rotary_pos_emb", None) if mod is not None else None
         if not isinstance(fn, types.FunctionType):
             continue
         if getattr(fn, "_flashpage_rotary", False):
-            if not fn._flashpage_cpp and (ops := cpp_ops()) is not None:  # installed while the ops were off
+            if cpu and not fn._flashpage_cpp and (ops := cpp_ops()) is not None:  # installed while they were off
                 fn._flashpage_cpp = _probe_rotary(fn.__wrapped__, ops)
             done.append(name)
         elif _probe_rotary(fn):
-            ops = cpp_ops()
+            ops = cpp_ops() if cpu else None
             mod.apply_rotary_pos_emb = _rotary_dispatch(fn, ops is not None and _probe_rotary(fn, ops))
             done.append(name)
     return done
@@ -293,36 +301,46 @@ _IN_PLACE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": lambda t
 
 @dataclass(frozen=True)
 class FusedMLP:
-    """A gated MLP's fused form: its activation's name (a key of ``_ACTIVATIONS``) and whether the C++
-    activation-and-product passed the probe too."""
+    """A gated MLP's fused form: its activation's name (a key of ``_ACTIVATIONS``), whether the C++
+    activation-and-product passed the probe too, and whether gate and up come from one ``gate_up_proj``
+    (its first half the gate: Phi-3, GLM)."""
 
     act: str
     cpp: bool = False
+    packed: bool = False
 
 
 def probe_mlp(module: torch.nn.Module) -> FusedMLP | None:
     """The fused form if ``module.forward(x)`` is ``down(act(gate(x)) * up(x))`` (checked on random x),
-    else None. Candidates: ``gate_proj``, ``up_proj``, ``down_proj`` linears and an ``act_fn``."""
-    parts = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    else None. Candidates: ``gate_proj``, ``up_proj``, ``down_proj`` linears and an ``act_fn``; or one
+    ``gate_up_proj`` linear whose output halves are gate then up, ``down_proj`` and an ``act_fn`` /
+    ``activation_fn``."""
+    packed = isinstance(getattr(module, "gate_up_proj", None), torch.nn.Linear)
+    parts = [getattr(module, n, None) for n in (("gate_up_proj", "down_proj") if packed
+                                                 else ("gate_proj", "up_proj", "down_proj"))]
     act = getattr(module, "act_fn", None)
+    act = getattr(module, "activation_fn", None) if act is None else act
     if not all(isinstance(p, torch.nn.Linear) for p in parts) or not callable(act):
         return None
     if any(p.weight.dtype != torch.float32 or p.weight.device.type == "meta" for p in parts):
         return None
+    if packed and parts[0].out_features % 2:
+        return None
     g = torch.Generator().manual_seed(2)
     try:
         with torch.no_grad():
-            probe = _narrow_mlp(module, *parts)
-            x = torch.randn(2, 3, probe.gate_proj.in_features, generator=g)
+            probe = _narrow_packed_mlp(module, *parts) if packed else _narrow_mlp(module, *parts)
+            x = torch.randn(2, 3, probe.down_proj.out_features, generator=g)
             want = type(module).forward(probe, x)
-            h, u = probe.gate_proj(x), probe.up_proj(x)
+            both = probe.gate_up_proj(x) if packed else torch.cat((probe.gate_proj(x), probe.up_proj(x)), dim=-1)
+            half = both.shape[-1] // 2
+            h, u = both[..., :half], both[..., half:]  # the C++ form reads the halves of one GEMM's output
             for name, fn in _ACTIVATIONS.items():
                 if _close(act(h.clone()), fn(h.clone())) and _close(want, probe.down_proj(fn(h.clone()) * u)):
-                    ops = cpp_ops() if name in cpu_fused.ACTIVATIONS else None
-                    both = torch.cat((h, u), dim=-1)  # the C++ form reads the halves of a fused GEMM's output
-                    cpp = ops is not None and _close(want, probe.down_proj(
-                        cpu_fused.act_and_mul(ops, both[..., :h.shape[-1]], both[..., h.shape[-1]:], name)))
-                    return FusedMLP(name, cpp)
+                    cpu = parts[0].weight.device.type == "cpu"
+                    ops = cpp_ops() if cpu and name in cpu_fused.ACTIVATIONS else None
+                    cpp = ops is not None and _close(want, probe.down_proj(cpu_fused.act_and_mul(ops, h, u, name)))
+                    return FusedMLP(name, cpp, packed)
     except Exception:  # a forward that takes more than x, or depends on the full widths
         return None
     return None
@@ -349,6 +367,22 @@ def _narrow_mlp(module: torch.nn.Module, gate: torch.nn.Linear, up: torch.nn.Lin
     return probe
 
 
+def _narrow_packed_mlp(module: torch.nn.Module, gate_up: torch.nn.Linear, down: torch.nn.Linear,
+                       width: int = 32) -> torch.nn.Module:
+    """:func:`_narrow_mlp` for one ``gate_up_proj``: the first ``width`` rows of each half."""
+    half = gate_up.out_features // 2
+    hidden, inner = min(width, gate_up.in_features), min(width, half)
+    rows = torch.cat((torch.arange(inner), torch.arange(half, half + inner)))
+    small = torch.nn.Linear(hidden, 2 * inner, bias=gate_up.bias is not None)
+    small.weight.copy_(gate_up.weight[rows, :hidden])
+    if gate_up.bias is not None:
+        small.bias.copy_(gate_up.bias[rows])
+    probe = copy.copy(module)
+    probe._modules = dict(module._modules)  # its own child table: the model's MLP keeps its linears
+    probe._modules.update(gate_up_proj=small, down_proj=_narrow_linear(down, hidden, inner))
+    return probe
+
+
 def _owns_storage(t: torch.Tensor) -> bool:
     """Whether ``t`` is all of its storage (not a slice of a larger output; views are untracked in
     inference mode, so ``_base`` cannot tell)."""
@@ -361,9 +395,16 @@ def _mlp_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: A
     if (not torch.compiler.is_compiling() and _active() and x.dtype == torch.float32 and not args and not kwargs
             and torch.is_inference_mode_enabled()):
         fused: FusedMLP = self._flashpage_mlp
+        ops = _step_ops() if fused.cpp and x.device.type == "cpu" else None
+        if fused.packed:
+            both = self.gate_up_proj(x)
+            half = both.shape[-1] // 2
+            gate, up = both[..., :half], both[..., half:]
+            if ops is not None:
+                return self.down_proj(ops.act_and_mul(gate, up, cpu_fused.ACTIVATIONS[fused.act]))
+            return self.down_proj(_ACTIVATIONS[fused.act](gate).mul_(up))  # a tensor of our own, then in place
         gate = self.gate_proj(x)
-        ops = _step_ops() if fused.cpp else None
-        if ops is not None and x.device.type == "cpu":  # gate / up may be views of one fused GEMM output
+        if ops is not None:  # gate / up may be views of one fused GEMM output
             return self.down_proj(ops.act_and_mul(gate, self.up_proj(x), cpu_fused.ACTIVATIONS[fused.act]))
         act = _IN_PLACE.get(fused.act) if _owns_storage(gate) else None  # never into a view
         h = act(gate) if act is not None else _ACTIVATIONS[fused.act](gate)  # a tensor of our own
@@ -402,7 +443,8 @@ def _install_forward(module: torch.nn.Module, forward: Callable[..., Any], attr:
 
 def _recheck(module: torch.nn.Module, attr: str, probe: Callable[[torch.nn.Module], Any]) -> None:
     """An installed module whose C++ form was not probed (the ops were off then): probe it now if they load."""
-    if not getattr(module, attr).cpp and cpp_ops() is not None:
+    if (not getattr(module, attr).cpp and all(p.device.type == "cpu" for p in module.parameters())
+            and cpp_ops() is not None):
         fresh = probe(module)
         if fresh is not None and fresh.cpp:
             setattr(module, attr, fresh)

@@ -327,7 +327,14 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY(flashpage_fused, m) {
+// The op namespace: flashpage_fused, or flashpage_fused_portable for the build without -march=native that
+// the tests load beside it (TORCH_LIBRARY pastes its argument: the extra macro expands the name first).
+#ifndef FLASHPAGE_FUSED_NS
+#define FLASHPAGE_FUSED_NS flashpage_fused
+#endif
+#define FLASHPAGE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+
+FLASHPAGE_LIBRARY(FLASHPAGE_FUSED_NS, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("act_and_mul(Tensor gate, Tensor up, int act) -> Tensor");
@@ -360,7 +367,7 @@ _ops: Ops | None = None
 _failure: str | None = None  # why the ops are unavailable (set once)
 
 
-def _build_name() -> str:
+def _build_name(portable: bool = False) -> str:
     """Extension name: the source, flags, torch and this CPU (-march=native builds are per CPU model)."""
     cpu = platform.machine() + platform.processor()
     try:
@@ -369,11 +376,12 @@ def _build_name() -> str:
     except OSError:
         pass
     digest = hashlib.sha1((_SOURCE + cpu + " ".join(_arch_flags()) + torch.__version__).encode()).hexdigest()
-    return f"flashpage_cpu_fused_v{_VERSION}_{digest[:12]}"
+    return f"flashpage_cpu_fused{'_portable' if portable else ''}_v{_VERSION}_{digest[:12]}"
 
 
-def _build() -> Ops:
-    """Compile (or load from torch's extension cache) and return the registered ops."""
+def _build(portable: bool = False) -> Ops:
+    """Compile (or load from torch's extension cache) and return the registered ops. ``portable``: the
+    build without -march=native (no AVX-512 path), its ops in another namespace (for the tests)."""
     import inspect
 
     from torch.utils import cpp_extension
@@ -382,11 +390,13 @@ def _build() -> Ops:
     if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters:
         extra["no_implicit_headers"] = True  # the source includes only the ATen headers it needs: faster build
     cpp_extension.load_inline(
-        name=_build_name(), cpp_sources=[_SOURCE], functions=None, is_python_module=False,
-        extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *_arch_flags()], extra_ldflags=["-fopenmp"],
+        name=_build_name(portable), cpp_sources=[_SOURCE], functions=None, is_python_module=False,
+        extra_cflags=["-O3", "-fopenmp", "-fno-math-errno",
+                      *(["-DFLASHPAGE_FUSED_NS=flashpage_fused_portable"] if portable else _arch_flags())],
+        extra_ldflags=["-fopenmp"],
         verbose=False, **extra,
     )
-    ns = torch.ops.flashpage_fused
+    ns = torch.ops.flashpage_fused_portable if portable else torch.ops.flashpage_fused
     return Ops(ns.rms_norm.default, ns.act_and_mul.default, ns.rotary.default)
 
 
@@ -407,6 +417,11 @@ def load() -> Ops | None:
                 warnings.warn(f"flashpage: the fused C++ CPU ops are unavailable ({_failure}); the engine's "
                               "norms / rotary / MLP activations run as torch ops (slower, same results).",
                               stacklevel=3)
+    return _ops
+
+
+def loaded() -> Ops | None:
+    """The ops if already built or loaded in this process (never builds)."""
     return _ops
 
 

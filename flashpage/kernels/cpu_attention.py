@@ -35,7 +35,7 @@ import torch
 
 ENV = "FLASHPAGE_CPU_ATTENTION"  # "reference" forces the PyTorch path; anything else / unset: auto
 _DTYPES = (torch.float32, torch.float64)
-_VERSION = 8  # bump when the C++ source changes meaning (the source hash also rebuilds)
+_VERSION = 9  # bump when the C++ source changes meaning (the source hash also rebuilds)
 
 _SOURCE = r"""
 #include <ATen/Dispatch.h>
@@ -644,6 +644,7 @@ inline void prefetch_rows(const float* base, int64_t stride, int64_t width, int6
 
 constexpr int64_t kKeyChunk = 64;    // keys per step of a decode tile's walk over a page's K rows
 constexpr int64_t kValueChunk = 64;  // and over its V rows
+constexpr int64_t kPrefetchBytes = 128 << 10;  // of the next page's K (and V) rows: all of a small page
 
 // A decode tile (few query rows) for KV heads h0 .. h1-1 together. The flash-attn page keeps a token's heads
 // in one row, so each page's K rows and then its V rows are read front to back, a chunk of rows (every head) at a
@@ -665,13 +666,15 @@ inline void attend_decode(const Args<float>& a, int64_t b, int64_t h0, int64_t h
     const PageRows cur = page_rows(a, b, h0, p, lo, hi);
     const PageRows next = (p + 1) * a.page < hi ? page_rows(a, b, h0, p + 1, lo, hi) : after;
     const int64_t j0 = std::max(lo, p * a.page), n = cur.n;
+    const int64_t ahead_k = std::min(next.n, std::max<int64_t>(1, kPrefetchBytes / (4 * a.k_p)));
+    const int64_t ahead_v = std::min(next.n, std::max<int64_t>(1, kPrefetchBytes / (4 * a.v_p)));
     for (int64_t r = 0; r < rows; ++r) {
       row_span(a, i0 + (r / group) % (i1 - i0), shift, j0, j0 + n, span[2 * r], span[2 * r + 1]);
       span[2 * r] -= j0;
       span[2 * r + 1] -= j0;
     }
     for (int64_t c = 0, chunks = (n + kKeyChunk - 1) / kKeyChunk; c < chunks; ++c) {  // scores, chunk by chunk
-      prefetch_rows(next.k, a.k_p, k_width, next.n * c / chunks, next.n * (c + 1) / chunks);
+      prefetch_rows(next.k, a.k_p, k_width, ahead_k * c / chunks, ahead_k * (c + 1) / chunks);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t s0 = std::max(span[2 * r], c * kKeyChunk), s1 = std::min(span[2 * r + 1], (c + 1) * kKeyChunk);
         if (s0 < s1)
@@ -707,7 +710,7 @@ inline void attend_decode(const Args<float>& a, int64_t b, int64_t h0, int64_t h
       span[2 * r0 + 1] = u1;
     }
     for (int64_t c = 0, chunks = (n + kValueChunk - 1) / kValueChunk; c < chunks; ++c) {  // values
-      prefetch_rows(next.v, a.v_p, v_width, next.n * c / chunks, next.n * (c + 1) / chunks);
+      prefetch_rows(next.v, a.v_p, v_width, ahead_v * c / chunks, ahead_v * (c + 1) / chunks);
       for (int64_t r0 = 0; r0 < rows; r0 += std::min<int64_t>(4, per_head - r0 % per_head)) {
         const int64_t nr = std::min<int64_t>(4, per_head - r0 % per_head);
         const int64_t x0 = std::max(span[2 * r0], c * kValueChunk);

@@ -37,6 +37,43 @@ ENV = "FLASHPAGE_CPU_ATTENTION"  # "reference" forces the PyTorch path; anything
 _DTYPES = (torch.float32, torch.float64)
 _VERSION = 9  # bump when the C++ source changes meaning (the source hash also rebuilds)
 
+# Cephes' expf polynomial (about 1 ulp on [-87.3, 88.3], which callers clamp x to), one float and 16
+# lanes; this kernel's source and cpu_fused's both include it (after their headers).
+EXP_CPP = r"""
+inline float exp_poly(float x) {
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+#if defined(__AVX512F__)
+inline __m512 exp_poly16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, in two parts
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);  // y * 2^n
+}
+#endif
+"""
+
 _SOURCE = r"""
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -55,6 +92,7 @@ _SOURCE = r"""
 #include <limits>
 #include <vector>
 
+""" + EXP_CPP + r"""
 namespace {
 
 constexpr int64_t kQueryTile = 32;  // query rows per task: long prefills split into several tasks
@@ -109,20 +147,7 @@ inline void scale_row(T* __restrict o, T alpha, int64_t n) {
 // s[j] = exp(s[j] - m) for s[j] <= m; returns the sum. float: Cephes' expf polynomial (about 1 ulp),
 // written so that GCC vectorizes it; double: std::exp.
 inline float exp_nonpositive(float x) {
-  x = x < -87.3f ? -87.3f : x;  // exp(-87.3) ~ 1e-38: below, 0 for every purpose here
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
+  return exp_poly(x < -87.3f ? -87.3f : x);  // exp(-87.3) ~ 1e-38: below, 0 for every purpose here
 }
 
 inline float exp_shifted(float* __restrict s, int64_t n, float m) {
@@ -433,23 +458,20 @@ void pv_rows(float* o, int64_t dv, const float* p, int64_t ldp, const float* v, 
   }
 }
 
-// exp(x) for x <= 0, 16 lanes: the scalar exp_nonpositive's polynomial.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 hi = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, in two parts
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), hi);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+// pv_rows for nr = 1..4 rows (4, 2 + 1, 2 or 1 rows of register accumulators).
+inline void pv_up_to4(float* o, int64_t dv, const float* p, int64_t ldp, const float* v, int64_t vs, int64_t j0,
+                      int64_t j1, int64_t nr) {
+  switch (nr) {
+    case 4: pv_rows<4>(o, dv, p, ldp, v, vs, j0, j1); break;
+    case 3: pv_rows<2>(o, dv, p, ldp, v, vs, j0, j1);
+            pv_rows<1>(o + 2 * dv, dv, p + 2 * ldp, ldp, v, vs, j0, j1); break;
+    case 2: pv_rows<2>(o, dv, p, ldp, v, vs, j0, j1); break;
+    default: pv_rows<1>(o, dv, p, ldp, v, vs, j0, j1); break;
+  }
 }
+
+// exp(x) for x <= 0, 16 lanes: the scalar exp_nonpositive's polynomial.
+inline __m512 exp_nonpositive(__m512 x) { return exp_poly16(_mm512_max_ps(x, _mm512_set1_ps(-87.3f))); }
 
 // softmax_update for float32 rows, 16 lanes at a time (the running max, then exp and sum).
 inline void softmax_update(Work<float>& w, int64_t r, int64_t dv, float* s, int64_t n) {
@@ -599,13 +621,7 @@ inline void attend_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0,
       }
       float* o = w.acc.data() + r0 * dv;
       const float* pr = w.s.data() + r0 * n;
-      switch (nr) {
-        case 4: pv_rows<4>(o, dv, pr, n, v0, a.v_p, u0, u1); break;
-        case 3: pv_rows<2>(o, dv, pr, n, v0, a.v_p, u0, u1);
-                pv_rows<1>(o + 2 * dv, dv, pr + 2 * n, n, v0, a.v_p, u0, u1); break;
-        case 2: pv_rows<2>(o, dv, pr, n, v0, a.v_p, u0, u1); break;
-        default: pv_rows<1>(o, dv, pr, n, v0, a.v_p, u0, u1); break;
-      }
+      pv_up_to4(o, dv, pr, n, v0, a.v_p, u0, u1, nr);
     }
   }
   finish_tile(a, b, hk, hk + 1, i0, i1, w);
@@ -719,13 +735,7 @@ inline void attend_decode(const Args<float>& a, int64_t b, int64_t h0, int64_t h
         float* o = w.acc.data() + r0 * dv;
         const float* pr = w.s.data() + r0 * n;
         const float* v = cur.v + (r0 / per_head) * a.v_h;
-        switch (nr) {
-          case 4: pv_rows<4>(o, dv, pr, n, v, a.v_p, x0, x1); break;
-          case 3: pv_rows<2>(o, dv, pr, n, v, a.v_p, x0, x1);
-                  pv_rows<1>(o + 2 * dv, dv, pr + 2 * n, n, v, a.v_p, x0, x1); break;
-          case 2: pv_rows<2>(o, dv, pr, n, v, a.v_p, x0, x1); break;
-          default: pv_rows<1>(o, dv, pr, n, v, a.v_p, x0, x1); break;
-        }
+        pv_up_to4(o, dv, pr, n, v, a.v_p, x0, x1, nr);
       }
     }
   }
@@ -913,15 +923,20 @@ def _arch_flags() -> list[str]:
 
 
 def _build_name() -> str:
-    """Extension name: the source, flags and this CPU (-march=native builds are per CPU model)."""
+    return build_name("flashpage_cpu_attention", _SOURCE, _VERSION)
+
+
+def build_name(prefix: str, source: str, version: int) -> str:
+    """Extension name: ``prefix``, ``version`` and a digest of the source, the flags, torch and this CPU
+    (-march=native builds are per CPU model)."""
     cpu = platform.machine() + platform.processor()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
             cpu += "".join(line for line in fh.read().splitlines()[:40] if line.startswith(("model name", "flags")))
     except OSError:
         pass
-    digest = hashlib.sha1((_SOURCE + cpu + " ".join(_arch_flags()) + torch.__version__).encode()).hexdigest()
-    return f"flashpage_cpu_attention_v{_VERSION}_{digest[:12]}"
+    digest = hashlib.sha1((source + cpu + " ".join(_arch_flags()) + torch.__version__).encode()).hexdigest()
+    return f"{prefix}_v{version}_{digest[:12]}"
 
 
 def _missing_tools() -> str | None:
@@ -945,6 +960,13 @@ def _missing_tools() -> str | None:
 
 def _build() -> Callable[..., torch.Tensor]:
     """Compile (or load from torch's extension cache) and return the registered op."""
+    jit_build(_build_name(), _SOURCE, _arch_flags())
+    return torch.ops.flashpage_cpu.paged_attention
+
+
+def jit_build(name: str, source: str, flags: list[str]) -> None:
+    """Compile ``source`` (registered ops, no Python module) into torch's extension cache as ``name``
+    with -O3, OpenMP and ``flags``, or load it from there."""
     import inspect
 
     from torch.utils import cpp_extension
@@ -953,11 +975,10 @@ def _build() -> Callable[..., torch.Tensor]:
     if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters:
         extra["no_implicit_headers"] = True  # the source includes only the ATen headers it needs: faster build
     cpp_extension.load_inline(
-        name=_build_name(), cpp_sources=[_SOURCE], functions=None, is_python_module=False,
-        extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *_arch_flags()], extra_ldflags=["-fopenmp"],
+        name=name, cpp_sources=[source], functions=None, is_python_module=False,
+        extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", *flags], extra_ldflags=["-fopenmp"],
         verbose=False, **extra,
     )
-    return torch.ops.flashpage_cpu.paged_attention
 
 
 def load() -> Callable[..., torch.Tensor] | None:

@@ -29,9 +29,7 @@ they run (``FLASHPAGE_FASTPATH=torch``: its torch forms only).
 
 from __future__ import annotations
 
-import hashlib
 import os
-import platform
 import threading
 import warnings
 from dataclasses import dataclass
@@ -39,7 +37,7 @@ from typing import Any
 
 import torch
 
-from flashpage.kernels.cpu_attention import _arch_flags, _missing_tools
+from flashpage.kernels.cpu_attention import EXP_CPP, _arch_flags, _missing_tools, build_name, jit_build
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # act_and_mul's codes
 _DTYPES = (torch.float32, torch.float64)
@@ -59,27 +57,13 @@ _SOURCE = r"""
 #include <immintrin.h>
 #endif
 
+""" + EXP_CPP + r"""
 namespace {
 
 constexpr int64_t kGrain = 16;  // rows per parallel_for chunk at least
 
 // exp(x) for float, Cephes' polynomial (about 1 ulp), x clamped to [-87.3, 88.3] (finite, normal).
-inline float exp_f(float x) {
-  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
+inline float exp_f(float x) { return exp_poly(x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x)); }
 
 inline float exp_t(float x) { return exp_f(x); }
 inline double exp_t(double x) { return std::exp(x); }
@@ -97,19 +81,7 @@ inline T act_one(T g, int act) {
 
 #if defined(__AVX512F__)
 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(y, n);  // y * 2^n
+  return exp_poly16(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f)));
 }
 
 inline __m512 act16(__m512 g, int act) {
@@ -368,34 +340,14 @@ _failure: str | None = None  # why the ops are unavailable (set once)
 
 
 def _build_name(portable: bool = False) -> str:
-    """Extension name: the source, flags, torch and this CPU (-march=native builds are per CPU model)."""
-    cpu = platform.machine() + platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            cpu += "".join(line for line in fh.read().splitlines()[:40] if line.startswith(("model name", "flags")))
-    except OSError:
-        pass
-    digest = hashlib.sha1((_SOURCE + cpu + " ".join(_arch_flags()) + torch.__version__).encode()).hexdigest()
-    return f"flashpage_cpu_fused{'_portable' if portable else ''}_v{_VERSION}_{digest[:12]}"
+    return build_name(f"flashpage_cpu_fused{'_portable' if portable else ''}", _SOURCE, _VERSION)
 
 
 def _build(portable: bool = False) -> Ops:
     """Compile (or load from torch's extension cache) and return the registered ops. ``portable``: the
     build without -march=native (no AVX-512 path), its ops in another namespace (for the tests)."""
-    import inspect
-
-    from torch.utils import cpp_extension
-
-    extra = {}
-    if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters:
-        extra["no_implicit_headers"] = True  # the source includes only the ATen headers it needs: faster build
-    cpp_extension.load_inline(
-        name=_build_name(portable), cpp_sources=[_SOURCE], functions=None, is_python_module=False,
-        extra_cflags=["-O3", "-fopenmp", "-fno-math-errno",
-                      *(["-DFLASHPAGE_FUSED_NS=flashpage_fused_portable"] if portable else _arch_flags())],
-        extra_ldflags=["-fopenmp"],
-        verbose=False, **extra,
-    )
+    jit_build(_build_name(portable), _SOURCE,
+              ["-DFLASHPAGE_FUSED_NS=flashpage_fused_portable"] if portable else _arch_flags())
     ns = torch.ops.flashpage_fused_portable if portable else torch.ops.flashpage_fused
     return Ops(ns.rms_norm.default, ns.act_and_mul.default, ns.rotary.default)
 

@@ -101,3 +101,21 @@ def test_a_relative_model_directory_reaches_vllm_as_an_absolute_path(tmp_path: P
     assert vllm_model_arg("models/tiny") == str(tmp_path / "models" / "tiny")
     assert vllm_model_arg("org/some-model") == "org/some-model"  # not a local directory: a hub id
     assert vllm_model_arg(None) is None
+
+
+def test_flashpage_rounds_report_cpu_time_switches_and_faults():
+    """A slow round that waited for the core (wall well above CPU seconds, involuntary context switches)
+    reads differently from one that computed more: every flashpage run reports both, and the report
+    prints them per round."""
+    from flashpage.bench.engine import _pool_blocks, make_workload, run_flashpage
+    from flashpage.bench.models import load_bench_model
+
+    bm = load_bench_model(None, quick=True, seed=0)
+    work = make_workload("mixed", bm.vocab_size, quick=True, seed=0)
+    fp = run_flashpage(bm.model, work, _pool_blocks(work, 16), bm.vocab_size, block_size=16)
+    usage = fp["usage"]
+    assert set(usage) == {"cpu_s", "involuntary_switches", "minor_faults", "major_faults"}
+    assert usage["cpu_s"] > 0 and min(usage.values()) >= 0
+    line = vs_vllm._rounds_line([{"wall_s": 2.0, "cpu_s": 1.0, "involuntary_switches": 7, "minor_faults": 300,
+                                  "major_faults": 0}, {"wall_s": fp["seconds"], **usage}])
+    assert line.startswith("flashpage per round, wall / CPU s") and "2.00 / 1.00, 7, 300 / 0; " in line

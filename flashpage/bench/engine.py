@@ -26,6 +26,7 @@ allocates up front). flashpage and HF CB get the same pool: every request at ful
 from __future__ import annotations
 
 import math
+import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -130,6 +131,7 @@ def run_flashpage(model: Any, work: Workload, num_blocks: int, vocab_size: int, 
         steps0 = llm.stats().steps
         finished: dict[str, Any] = {}
         peak_blocks = 0
+        usage0 = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         ids = [llm.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
                for p, n in zip(work.prompts, work.max_tokens, strict=True)]
@@ -139,6 +141,7 @@ def run_flashpage(model: Any, work: Workload, num_blocks: int, vocab_size: int, 
                     finished[out.request_id] = out
             peak_blocks = max(peak_blocks, llm.stats().blocks_used)
         elapsed = time.perf_counter() - start
+        usage = usage_since(usage0)
         stats = llm.stats()
     finally:
         unpatch(model)
@@ -167,7 +170,18 @@ def run_flashpage(model: Any, work: Workload, num_blocks: int, vocab_size: int, 
         "warmup_s": warmup_s,
         "compiled_steps": stats.compiled_steps,
         "recompiles_after_warmup": sum(counters["recompiles"].values()) - recompiles0,
+        "usage": usage,
     }
+
+
+def usage_since(before: resource.struct_rusage) -> dict[str, float]:
+    """This process's CPU seconds, involuntary context switches (descheduled while runnable: another
+    process wanted the core) and page faults since ``before``: what tells a slow round that computed more
+    from one that waited."""
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    return {"cpu_s": (now.ru_utime - before.ru_utime) + (now.ru_stime - before.ru_stime),
+            "involuntary_switches": now.ru_nivcsw - before.ru_nivcsw,
+            "minor_faults": now.ru_minflt - before.ru_minflt, "major_faults": now.ru_majflt - before.ru_majflt}
 
 
 # ----------------------------------------------------------------------------------------- HF generate

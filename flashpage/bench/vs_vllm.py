@@ -200,6 +200,8 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
         fp_tokens: list[list[int]] = []
         fp_warmups: list[float] = []
         fp_recompiles = 0
+        fp_usage: list[dict[str, float]] = []
+        fp_seconds: list[float] = []
         vl_result: dict[str, Any] = {}
         fp_binding = ""
         try:
@@ -212,6 +214,8 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
                     fp_binding = binding.describe()
                 fp_runs.append(fp["output_tokens"] / fp["seconds"])
                 fp_warmups.append(fp["warmup_s"])
+                fp_usage.append(fp["usage"])
+                fp_seconds.append(fp["seconds"])
                 fp_recompiles += fp["recompiles_after_warmup"]
                 fp_tokens = fp["tokens"]
                 _log(f"round {r + 1}/{rounds}: vLLM ({fp_runs[-1]:.1f} tok/s for flashpage)")
@@ -233,6 +237,7 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
         "identical_requests": cmp.identical, "mismatches": cmp.mismatches, "outputs_agree": cmp.all_identical,
         "flashpage_compile": compile, "flashpage_warmup_s": fp_warmups,
         "flashpage_recompiles_after_warmup": fp_recompiles,
+        "flashpage_rounds": [{"wall_s": w, **u} for w, u in zip(fp_seconds, fp_usage, strict=True)],
         "load_average_1m": load_average(),
         "timing_note": "alternating runs in one session; generate() call only, load and warm-up excluded",
     }
@@ -252,6 +257,14 @@ def _kv_bytes_per_token(model: Any) -> int:
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
+
+
+def _rounds_line(rounds: list[dict[str, float]]) -> str:
+    """flashpage's timed runs: wall against CPU seconds (CPU well below wall: the process waited for
+    the core), involuntary context switches and page faults."""
+    return "flashpage per round, wall / CPU s, involuntary switches, minor / major page faults: " + "; ".join(
+        f"{r['wall_s']:.2f} / {r['cpu_s']:.2f}, {r['involuntary_switches']:.0f}, "
+        f"{r['minor_faults']:.0f} / {r['major_faults']:.0f}" for r in rounds)
 
 
 def format_report(result: dict[str, Any]) -> str:
@@ -276,6 +289,7 @@ def format_report(result: dict[str, Any]) -> str:
         + (f"; recompiles after warm-up: {result['flashpage_recompiles_after_warmup']}"
            if result.get("flashpage_compile") else ""),
         f"output tok/s per round, flashpage / vLLM (ratio): {runs}",
+        *([_rounds_line(result["flashpage_rounds"])] if result.get("flashpage_rounds") else []),
         f"flashpage.LLM  best {fp['best_tok_s']:.1f}, median {fp['median_tok_s']:.1f} tok/s",
         f"vLLM           best {vl['best_tok_s']:.1f}, median {vl['median_tok_s']:.1f} tok/s",
         f"flashpage / vLLM: {result['ratio_median']:.2f}x (median of pairs); goal >= 1.0x: "

@@ -135,18 +135,12 @@ def _fused_norm(norm: FusedNorm, x: torch.Tensor, weight: torch.Tensor,
                 ops: cpu_fused.Ops | None = None) -> torch.Tensor:
     """x (..., dim) float32 -> (..., dim): the norm in one op (two with a weight offset); one C++ pass
     with ``ops`` on CPU tensors without autograd."""
-    if ops is not None and not norm.centred and _cpu_no_grad(x, weight):
+    if ops is not None and not norm.centred and cpu_fused.eligible(x, weight):
         return ops.rms_norm(x, weight, norm.eps, norm.offset)
     w = weight if norm.offset == 0.0 else weight + norm.offset
     if norm.centred:
         return F.layer_norm(x, (norm.dim,), w, None, norm.eps)
     return F.rms_norm(x, (norm.dim,), w, norm.eps)
-
-
-def _cpu_no_grad(*tensors: torch.Tensor) -> bool:
-    """CPU tensors and nothing for autograd to record (the C++ ops have no backward)."""
-    return all(t.device.type == "cpu" for t in tensors) and not (
-        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def probe_norm(module: torch.nn.Module) -> FusedNorm | None:
@@ -207,7 +201,7 @@ def _rotary_cpp_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
         return False
     length = 2 if unsqueeze_dim == 1 else 1
     return (q.shape[-1] % 2 == 0 and cos.shape[0] in (1, q.shape[0]) and q.shape[0] == k.shape[0]
-            and cos.shape[1] == q.shape[length] == k.shape[length] and _cpu_no_grad(q, k, cos, sin))
+            and cos.shape[1] == q.shape[length] == k.shape[length] and cpu_fused.eligible(q, k, cos, sin))
 
 
 def fused_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -360,11 +354,8 @@ def _narrow_mlp(module: torch.nn.Module, gate: torch.nn.Linear, up: torch.nn.Lin
     """A shallow copy of ``module`` whose three linears are ``width``-wide slices of its own (the probe of a
     7B-sized MLP would otherwise run six full GEMMs: seconds per layer)."""
     hidden, inner = min(width, gate.in_features), min(width, gate.out_features)
-    probe = copy.copy(module)
-    probe._modules = dict(module._modules)  # its own child table: the model's MLP keeps its linears
-    probe._modules.update(gate_proj=_narrow_linear(gate, inner, hidden), up_proj=_narrow_linear(up, inner, hidden),
-                          down_proj=_narrow_linear(down, hidden, inner))
-    return probe
+    return _with_children(module, gate_proj=_narrow_linear(gate, inner, hidden),
+                          up_proj=_narrow_linear(up, inner, hidden), down_proj=_narrow_linear(down, hidden, inner))
 
 
 def _narrow_packed_mlp(module: torch.nn.Module, gate_up: torch.nn.Linear, down: torch.nn.Linear,
@@ -377,9 +368,14 @@ def _narrow_packed_mlp(module: torch.nn.Module, gate_up: torch.nn.Linear, down: 
     small.weight.copy_(gate_up.weight[rows, :hidden])
     if gate_up.bias is not None:
         small.bias.copy_(gate_up.bias[rows])
+    return _with_children(module, gate_up_proj=small, down_proj=_narrow_linear(down, hidden, inner))
+
+
+def _with_children(module: torch.nn.Module, **children: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of ``module`` with these children replaced, in a child table of its own (the
+    model's module keeps its own children)."""
     probe = copy.copy(module)
-    probe._modules = dict(module._modules)  # its own child table: the model's MLP keeps its linears
-    probe._modules.update(gate_up_proj=small, down_proj=_narrow_linear(down, hidden, inner))
+    probe._modules = {**module._modules, **children}
     return probe
 
 

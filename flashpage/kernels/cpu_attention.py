@@ -458,6 +458,25 @@ void pv_rows(float* o, int64_t dv, const float* p, int64_t ldp, const float* v, 
   }
 }
 
+// [u0, u1): the union of rows r0 .. r0+nr-1's visible keys in the page (span[2r], span[2r+1]; empty:
+// u0 >= u1). Inside it, each row's scores (s, rows of n) outside its own span are zeroed, so P.V can
+// run over the union for all of them.
+inline void union_span(const int64_t* span, float* s, int64_t n, int64_t r0, int64_t nr, int64_t& u0, int64_t& u1) {
+  u0 = n;
+  u1 = 0;
+  for (int64_t r = r0; r < r0 + nr; ++r)
+    if (span[2 * r] < span[2 * r + 1]) {
+      u0 = std::min(u0, span[2 * r]);
+      u1 = std::max(u1, span[2 * r + 1]);
+    }
+  for (int64_t r = r0; r < r0 + nr && u0 < u1; ++r) {
+    float* srow = s + r * n;
+    const int64_t s0 = std::max(u0, std::min(span[2 * r], u1)), s1 = std::max(s0, span[2 * r + 1]);
+    std::fill(srow + u0, srow + s0, 0.f);
+    std::fill(srow + std::min(s1, u1), srow + u1, 0.f);
+  }
+}
+
 // pv_rows for nr = 1..4 rows (4, 2 + 1, 2 or 1 rows of register accumulators).
 inline void pv_up_to4(float* o, int64_t dv, const float* p, int64_t ldp, const float* v, int64_t vs, int64_t j0,
                       int64_t j1, int64_t nr) {
@@ -606,19 +625,9 @@ inline void attend_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0,
     }
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       const int64_t nr = std::min<int64_t>(4, rows - r0);
-      int64_t u0 = n, u1 = 0;  // the union of the rows' visible keys; zeros around each row's own
-      for (int64_t r = r0; r < r0 + nr; ++r)
-        if (span[2 * r] < span[2 * r + 1]) {
-          u0 = std::min(u0, span[2 * r]);
-          u1 = std::max(u1, span[2 * r + 1]);
-        }
+      int64_t u0, u1;
+      union_span(span, w.s.data(), n, r0, nr, u0, u1);
       if (u0 >= u1) continue;
-      for (int64_t r = r0; r < r0 + nr; ++r) {
-        float* srow = w.s.data() + r * n;
-        const int64_t s0 = std::max(u0, std::min(span[2 * r], u1)), s1 = std::max(s0, span[2 * r + 1]);
-        std::fill(srow + u0, srow + s0, 0.f);
-        std::fill(srow + std::min(s1, u1), srow + u1, 0.f);
-      }
       float* o = w.acc.data() + r0 * dv;
       const float* pr = w.s.data() + r0 * n;
       pv_up_to4(o, dv, pr, n, v0, a.v_p, u0, u1, nr);
@@ -710,18 +719,8 @@ inline void attend_decode(const Args<float>& a, int64_t b, int64_t h0, int64_t h
     // row's own); block (r0, nr) keeps its union in span[2 * r0], span[2 * r0 + 1]
     for (int64_t r0 = 0; r0 < rows; r0 += std::min<int64_t>(4, per_head - r0 % per_head)) {
       const int64_t nr = std::min<int64_t>(4, per_head - r0 % per_head);
-      int64_t u0 = n, u1 = 0;
-      for (int64_t r = r0; r < r0 + nr; ++r)
-        if (span[2 * r] < span[2 * r + 1]) {
-          u0 = std::min(u0, span[2 * r]);
-          u1 = std::max(u1, span[2 * r + 1]);
-        }
-      for (int64_t r = r0; r < r0 + nr && u0 < u1; ++r) {
-        float* srow = w.s.data() + r * n;
-        const int64_t s0 = std::max(u0, std::min(span[2 * r], u1)), s1 = std::max(s0, span[2 * r + 1]);
-        std::fill(srow + u0, srow + s0, 0.f);
-        std::fill(srow + std::min(s1, u1), srow + u1, 0.f);
-      }
+      int64_t u0, u1;
+      union_span(span, w.s.data(), n, r0, nr, u0, u1);
       span[2 * r0] = u0;
       span[2 * r0 + 1] = u1;
     }

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from flashpage.bench.engine import MAX_BATCHED_TOKENS, _pool_blocks, _warm_prompts, make_workload
+from flashpage.bench.engine import MAX_BATCHED_TOKENS, _pool_blocks, _warm_prompts, make_workload, run_workload
 from flashpage.bench.models import load_average, load_bench_model
 
 CATEGORIES = ("linears", "attention", "norms/rotary/activations", "sampler", "scheduler + inputs", "other ops",
@@ -122,18 +122,10 @@ def attribute(events: Any, wall_us: float) -> dict[str, float]:
 
 
 def _engine_run(llm: Any, work: Any) -> tuple[float, int, int]:
-    from flashpage.engine import SamplingParams
-
+    """One run of ``work``: seconds, engine steps, output tokens."""
     steps0 = llm.stats().steps
-    start = time.perf_counter()
-    for p, n in zip(work.prompts, work.max_tokens, strict=True):
-        llm.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    generated = 0
-    while llm.has_unfinished_requests():
-        for out in llm.step():
-            if out.finished:
-                generated += len(out.outputs[0].token_ids)
-    return time.perf_counter() - start, llm.stats().steps - steps0, generated
+    seconds, tokens = run_workload(llm, work)
+    return seconds, llm.stats().steps - steps0, sum(map(len, tokens))
 
 
 def run(workload: str = "mixed", model_name: str | None = None, quick: bool = False, seed: int = 0,

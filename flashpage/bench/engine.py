@@ -174,6 +174,22 @@ def run_flashpage(model: Any, work: Workload, num_blocks: int, vocab_size: int, 
     }
 
 
+def run_workload(llm: Any, work: Workload) -> tuple[float, list[list[int]]]:
+    """Every request of ``work`` added to ``llm`` at once (greedy, EOS ignored) and stepped to the end:
+    the seconds it took and each request's output tokens, in request order."""
+    from flashpage.engine import SamplingParams
+
+    start = time.perf_counter()
+    ids = [llm.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+           for p, n in zip(work.prompts, work.max_tokens, strict=True)]
+    done: dict[str, list[int]] = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return time.perf_counter() - start, [done[i] for i in ids]
+
+
 def usage_since(before: resource.struct_rusage) -> dict[str, float]:
     """This process's CPU seconds, involuntary context switches (descheduled while runnable: another
     process wanted the core) and page faults since ``before``: what tells a slow round that computed more

@@ -109,7 +109,7 @@ def engine_ab(model_name: str | None = None, pairs: int = 3, quick: bool = False
     (see the module docstring); the environment variable is restored afterwards."""
     import os
 
-    from flashpage.bench.engine import MAX_BATCHED_TOKENS, _pool_blocks, _warm_prompts, make_workload
+    from flashpage.bench.engine import MAX_BATCHED_TOKENS, _pool_blocks, _warm_prompts, make_workload, run_workload
     from flashpage.engine import LLM, SamplingParams
 
     bm = load_bench_model(model_name, quick=quick)
@@ -128,7 +128,7 @@ def engine_ab(model_name: str | None = None, pairs: int = 3, quick: bool = False
                                                                                ignore_eos=True), use_tqdm=False)
                 llm.reset_prefix_cache()
                 cpu0 = time.process_time()
-                seconds, tokens = _timed_run(llm, work)
+                seconds, tokens = run_workload(llm, work)
                 cpu = time.process_time() - cpu0
                 first = first or tokens
                 runs.append({"pair": i, "mode": mode, "seconds": seconds, "tok_s": sum(map(len, tokens)) / seconds,
@@ -141,21 +141,6 @@ def engine_ab(model_name: str | None = None, pairs: int = 3, quick: bool = False
         else:
             os.environ[fastpath.ENV] = saved
     return {"model": bm.name, "fastpath": llm.fastpath.describe(), "modes": list(modes), "runs": runs}
-
-
-def _timed_run(llm: Any, work: Any) -> tuple[float, list[list[int]]]:
-    """Every request of ``work`` added at once, stepped to the end: seconds and each request's tokens."""
-    from flashpage.engine import SamplingParams
-
-    start = time.perf_counter()
-    ids = [llm.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-           for p, n in zip(work.prompts, work.max_tokens, strict=True)]
-    done: dict[str, list[int]] = {}
-    while llm.has_unfinished_requests():
-        for out in llm.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-    return time.perf_counter() - start, [done[i] for i in ids]
 
 
 def format_engine_report(result: dict[str, Any]) -> str:

@@ -134,6 +134,7 @@ def summarize(rate: float, results: list[RequestResult], duration: float) -> dic
     itls = [x for r in ok for x in r.itls]
     tpots = [(r.latency - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1]
     ms = lambda v: None if v is None else round(v * 1e3, 2)
+    e2e = _pct([r.latency for r in ok], 50)
     return {
         "rate": _rate(rate), "requests": len(results), "failed": len(results) - len(ok),
         "duration_s": round(duration, 3), "request_throughput": round(len(ok) / duration, 3),
@@ -141,8 +142,7 @@ def summarize(rate: float, results: list[RequestResult], duration: float) -> dic
         "output_tokens_per_s": round(sum(r.tokens for r in ok) / duration, 1),
         "ttft_p50_ms": ms(_pct(ttfts, 50)), "ttft_p99_ms": ms(_pct(ttfts, 99)),
         "itl_p50_ms": ms(_pct(itls, 50)), "itl_p99_ms": ms(_pct(itls, 99)), "tpot_p50_ms": ms(_pct(tpots, 50)),
-        "e2e_p50_s": None if not ok else round(_pct([r.latency for r in ok], 50), 3),
-        "e2e_p50_ms": ms(_pct([r.latency for r in ok], 50)),
+        "e2e_p50_s": None if e2e is None else round(e2e, 3), "e2e_p50_ms": ms(e2e),
         "errors": sorted({r.error for r in results if not r.ok})[:3],
     }
 

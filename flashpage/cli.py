@@ -70,6 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
     if size < 1:
         raise ValueError(f"--tensor-parallel-size {size}: give the number of ranks (>= 1)")
     options.cpu_bind = _serve_cpu_bind(args.cpu_bind, size)
+    options.engine_process = _serve_engine_process(args.engine_process, size)
     if size > 1:
         from flashpage.serve import tp
 
@@ -93,6 +94,14 @@ def _serve_cpu_bind(spec: str | None, ranks: int) -> str:
     return spec
 
 
+def _serve_engine_process(asked: bool | None, ranks: int) -> bool:
+    """``--engine-process`` (the default on one rank): tensor-parallel ranks run their engine in a thread."""
+    if asked and ranks > 1:
+        raise ValueError(f"--engine-process with --tensor-parallel-size {ranks}: each rank runs its engine in a "
+                         "thread of its own process; leave --engine-process unset")
+    return ranks == 1 if asked is None else asked
+
+
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)")
     _add_model(p)
@@ -111,6 +120,10 @@ def _add_serve(sub: Any) -> None:
                    help="bind the server's threads to cores, as vLLM does: 'auto' (default: the first N usable cores "
                         "for N threads, OMP_NUM_THREADS or torch's count), 'none', or a list such as '0-3,6' "
                         "(env FLASHPAGE_CPU_BIND)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the engine in its own process, bound with --cpu-bind, so HTTP and JSON work never waits "
+                        "for the engine's step or the other way round (as vLLM's API server and engine core); "
+                        "default on (off under --tensor-parallel-size)")
     g = p.add_argument_group("engine options (flashpage.LLM)")
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--num-blocks", type=int, default=None)

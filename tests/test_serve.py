@@ -1,22 +1,38 @@
 """The OpenAI-compatible server on a loopback port: the real ``openai`` client, 64 concurrent streams
 equal to offline ``LLM.generate``, disconnects that give every block back, a failing step that
 fails only its requests, the bounded queue (503 + Retry-After) and /health, /v1/models, /metrics.
+Every test runs twice: the engine in a thread of the server's process (AsyncLLM) and in its own
+process (EngineProcess, ``flashpage serve``'s default).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
-from serve_helpers import MODEL, metrics, sse_events, tiny_server, wait_until
+from serve_helpers import (
+    ENGINES,
+    FAULT_FILE_ENV,
+    MODEL,
+    check_cache,
+    in_engine,
+    metrics,
+    sse_events,
+    tiny_server,
+    wait_until,
+)
 
 from flashpage import LLM, SamplingParams, load_tiny_model
 from flashpage.serve import AsyncLLM, ServerThread
+from flashpage.serve.engine_process import EngineProcess
 
 pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
 
@@ -25,8 +41,21 @@ PROMPTS = ["The list", "A module is", "Return the number of", "If the file", "Th
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[ServerThread, AsyncLLM]]:
-    with tiny_server() as s:
+def fault_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The engine process's fault switch (serve_helpers.tiny_llm_with_fault_switch): set before it starts."""
+    path = tmp_path_factory.mktemp("fault") / "armed"
+    previous = os.environ.get(FAULT_FILE_ENV)
+    os.environ[FAULT_FILE_ENV] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop(FAULT_FILE_ENV, None)
+    else:
+        os.environ[FAULT_FILE_ENV] = previous
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def served(request: pytest.FixtureRequest, fault_file: Path) -> Iterator[tuple[ServerThread, Any]]:
+    with tiny_server(engine_process=request.param == "process") as s:
         yield s
 
 
@@ -51,11 +80,26 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def _clean(engine: AsyncLLM) -> None:
+def _clean(engine: AsyncLLM | EngineProcess) -> None:
     wait_until(lambda: engine.num_unfinished == 0, what="no unfinished request")
     st = engine.stats()
     assert (st.running, st.waiting, st.blocks_used) == (0, 0, 0)
-    engine.llm.kv.blocks.check_invariants()
+    in_engine(engine, check_cache)
+
+
+def _fault_switch(engine: AsyncLLM | EngineProcess, fault_file: Path) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(arm, remove): after arm(), the engine's next forward raises "injected fault" (once)."""
+    if isinstance(engine, EngineProcess):
+        return fault_file.touch, lambda: fault_file.unlink(missing_ok=True)
+    fail = threading.Event()
+
+    def fault(*_: object) -> None:
+        if fail.is_set():
+            fail.clear()
+            raise RuntimeError("injected fault")
+
+    hook = engine.llm.model.model.layers[0].register_forward_pre_hook(fault)
+    return fail.set, hook.remove
 
 
 # ------------------------------------------------------------------------------ openai client
@@ -206,15 +250,8 @@ def _aborted(url: str) -> float:
 
 # -------------------------------------------------------------------------------- faults
 def test_failed_step_fails_only_its_requests_and_the_server_keeps_serving(url: str, engine: AsyncLLM,
-                                                                         offline: LLM) -> None:
-    fail = threading.Event()
-
-    def fault(*_: object) -> None:
-        if fail.is_set():
-            fail.clear()
-            raise RuntimeError("injected fault")
-
-    hook = engine.llm.model.model.layers[0].register_forward_pre_hook(fault)
+                                                                         offline: LLM, fault_file: Path) -> None:
+    arm, remove = _fault_switch(engine, fault_file)
     body = {"model": MODEL, "prompt": "The list", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
     try:
         with httpx.Client(timeout=60) as c, c.stream("POST", f"{url}/v1/completions",
@@ -223,14 +260,14 @@ def test_failed_step_fails_only_its_requests_and_the_server_keeps_serving(url: s
             for e in sse_events(r.iter_lines()):
                 events.append(e)
                 if len(events) == 2:
-                    fail.set()
+                    arm()
         assert events[-1] == "[DONE]" and "error" in events[-2]
         assert events[-2]["error"]["code"] == 500 and "injected fault" in events[-2]["error"]["message"]
-        fail.set()
+        arm()
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
     finally:
-        hook.remove()
+        remove()
     want = offline.generate(["The list"], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0]
     r = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 8, "ignore_eos": False}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
@@ -238,10 +275,12 @@ def test_failed_step_fails_only_its_requests_and_the_server_keeps_serving(url: s
     _clean(engine)
 
 
-def test_full_queue_answers_503_with_retry_after() -> None:
+@pytest.mark.parametrize("engine_kind", ENGINES)
+def test_full_queue_answers_503_with_retry_after(engine_kind: str) -> None:
     long = {"model": MODEL, "prompt": "The list", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    with tiny_server(max_waiting_requests=1, max_num_seqs=1) as (server, engine), httpx.Client(timeout=60) as c:
+    with tiny_server(max_waiting_requests=1, max_num_seqs=1, engine_process=engine_kind == "process") as (
+            server, engine), httpx.Client(timeout=60) as c:
         with c.stream("POST", f"{server.url}/v1/completions", json=long) as running:
             lines = running.iter_lines()  # keep it: a dropped line iterator closes the response
             next(lines)

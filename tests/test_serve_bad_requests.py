@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_helpers import MODEL, tiny_server
+from serve_helpers import ENGINES, MODEL, tiny_server
 
 from flashpage.serve import AsyncLLM, ServerThread
 
@@ -77,9 +77,10 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str | None, str]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[ServerThread, AsyncLLM]]:
-    with tiny_server() as s:
+@pytest.fixture(scope="module", params=ENGINES)
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[ServerThread, Any]]:
+    """The engine in a thread of the server's process, then in its own process (``flashpage serve``'s way)."""
+    with tiny_server(engine_process=request.param == "process") as s:
         yield s
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from serve_helpers import MODEL, sse_events, tiny_server, wait_until
+from serve_helpers import ENGINES, MODEL, engine_held, sse_events, tiny_server, wait_until
 
 from flashpage import SamplingParams, load_tiny_model
 from flashpage.serve import AsyncLLM, QueueFullError, ServerThread
@@ -30,9 +30,11 @@ LIMIT_BYTES = 20_000
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[ServerThread, AsyncLLM]]:
-    with tiny_server(max_waiting_requests=8, app_kwargs={"max_request_bytes": LIMIT_BYTES}) as s:
+@pytest.fixture(scope="module", params=ENGINES)
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[ServerThread, Any]]:
+    """The engine in a thread of the server's process, then in its own process (``flashpage serve``'s way)."""
+    with tiny_server(max_waiting_requests=8, app_kwargs={"max_request_bytes": LIMIT_BYTES},
+                     engine_process=request.param == "process") as s:
         yield s
 
 
@@ -171,7 +173,7 @@ def test_batch_admission_is_all_or_nothing(served: tuple[ServerThread, AsyncLLM]
     of it occupies the queue), so a single request after it still gets in."""
     engine = served[1]
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    with engine._engine_lock:  # the engine thread cannot take commands: everything stays queued
+    with engine_held(engine):  # the engine cannot take commands: everything stays queued
         first = engine.add_requests([[5, 6]] * 6, params)
         with pytest.raises(QueueFullError, match="6 requests are waiting and this one brings 3"):
             engine.add_requests([[5, 6]] * 3, params)

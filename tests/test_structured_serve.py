@@ -18,7 +18,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from serve_helpers import MODEL, tiny_server
+from serve_helpers import ENGINES, MODEL, tiny_server
 
 from flashpage.serve import AsyncLLM, ServerThread, build_app
 from flashpage.serve import structured as S
@@ -47,9 +47,10 @@ MAX_TOKENS = 64
 USER = [{"role": "user", "content": "Tell me about the weather in the list of items"}]
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[ServerThread, AsyncLLM]]:
-    with tiny_server(max_num_seqs=64) as s:
+@pytest.fixture(scope="module", params=ENGINES)
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[ServerThread, Any]]:
+    """The engine in a thread of the server's process, then in its own process (``flashpage serve``'s way)."""
+    with tiny_server(max_num_seqs=64, engine_process=request.param == "process") as s:
         yield s
 
 

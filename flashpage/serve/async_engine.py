@@ -29,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,10 +234,7 @@ class AsyncLLM:
     def __init__(self, llm: LLM, *, max_waiting_requests: int | None = 512,
                  on_tokens: Callable[[TokenEvent], None] | None = None,
                  on_finish: Callable[[RequestOutput], None] | None = None) -> None:
-        if max_waiting_requests is not None and (isinstance(max_waiting_requests, bool)
-                                                 or not isinstance(max_waiting_requests, int)
-                                                 or max_waiting_requests < 1):
-            raise ValueError(f"max_waiting_requests must be an int >= 1 or None; got {max_waiting_requests!r}")
+        check_max_waiting(max_waiting_requests)
         self.llm = llm
         self.max_waiting_requests = max_waiting_requests
         self.on_tokens = on_tokens
@@ -266,34 +263,21 @@ class AsyncLLM:
         return self.add_requests([prompt], params, [request_id])[0]
 
     def add_requests(self, prompts: Sequence[Prompt], params: SamplingParams | None = None,
-                     request_ids: Sequence[str | None] | None = None) -> list[RequestStream]:
+                     request_ids: Sequence[str | None] | None = None,
+                     arrival: float | None = None) -> list[RequestStream]:
         """Queue several requests all or nothing: when the waiting queue cannot take them all, none is
         queued (QueueFullError; a batch larger than ``max_waiting_requests`` raises ValueError, since it
-        could never fit). Returns their streams at once, in order."""
-        ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
-        if len(ids) != len(prompts):
-            raise ValueError(f"got {len(ids)} request ids for {len(prompts)} prompts")
-        limit = self.max_waiting_requests
-        if limit is not None and len(prompts) > limit:
-            raise ValueError(f"{len(prompts)} prompts in one request, but the server queues at most {limit} "
-                             f"requests (max_waiting_requests={limit}); send at most {limit} prompts per request")
+        could never fit). Returns their streams at once, in order. ``arrival``: when they arrived
+        (``time.perf_counter()``; default now), for the time-to-first-token metrics."""
         with self._cv:
             if not self._accepting or self.dead is not None:
                 raise EngineClosedError("the server is shutting down and accepts no new request")
             waiting = len(self._pending_streams) + self._snapshot.waiting
-            if limit is not None and waiting + len(prompts) > limit:
-                raise QueueFullError(f"server is at capacity: {waiting} requests are waiting and this one brings "
-                                     f"{len(prompts)} (max_waiting_requests={limit}); retry later")
-            rids = [rid if rid is not None else f"req-{next(self._ids)}" for rid in ids]
-            seen: set[str] = set()
-            for rid in rids:
-                if rid in self._pending_streams or rid in seen:
-                    raise ValueError(f"request id {rid!r} is already in use")
-                seen.add(rid)
-            now = time.perf_counter()
+            rids = admit(prompts, request_ids, self.max_waiting_requests, waiting, self._pending_streams, self._ids)
+            now = time.perf_counter() if arrival is None else arrival
             streams = []
             for rid, prompt in zip(rids, prompts, strict=True):
-                stream = RequestStream(rid, self.abort)
+                stream = self._new_stream(rid)
                 self._commands.append(_Add(rid, prompt, params, now))
                 self._pending_streams[rid] = stream
                 streams.append(stream)
@@ -319,6 +303,13 @@ class AsyncLLM:
         stream = self.add_request(prompt, params, request_id)
         async for out in stream:
             yield out
+
+    def _new_stream(self, request_id: str) -> RequestStream:
+        return RequestStream(request_id, self.abort)
+
+    def _flush(self) -> None:
+        """Hand the iteration's outputs to their readers (once per engine iteration)."""
+        self._wakeups.flush()
 
     def stats(self) -> EngineStats:
         """Current engine statistics (waits for a step in progress)."""
@@ -377,7 +368,7 @@ class AsyncLLM:
                         self._step()
                     self._busy = self.llm.has_unfinished_requests()
                     self._snapshot = self.llm.stats()
-                self._wakeups.flush()
+                self._flush()
         except BaseException as exc:  # a bug in the loop itself: fail everything, refuse new work
             log.exception("engine loop died")
             self.dead = exc
@@ -477,7 +468,36 @@ class AsyncLLM:
                 self._wakeups.put(live.stream, _Failed(closed))
                 self._end(rid)
             self._snapshot = self.llm.stats()
-            self._wakeups.flush()
+            self._flush()
+
+
+def check_max_waiting(value: int | None) -> None:
+    """ValueError unless ``max_waiting_requests`` is an int >= 1 or None."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"max_waiting_requests must be an int >= 1 or None; got {value!r}")
+
+
+def admit(prompts: Sequence[Prompt], request_ids: Sequence[str | None] | None, limit: int | None, waiting: int,
+          pending: Container[str], ids: Iterator[int]) -> list[str]:
+    """The request ids of a batch the front may queue now (all or nothing), else the error that refuses it:
+    QueueFullError when ``waiting`` requests plus these exceed ``limit`` (retry later), ValueError for a batch
+    that could never fit or an id given twice or still ``pending``. Ids left None get ``req-N``."""
+    given = list(request_ids) if request_ids is not None else [None] * len(prompts)
+    if len(given) != len(prompts):
+        raise ValueError(f"got {len(given)} request ids for {len(prompts)} prompts")
+    if limit is not None and len(prompts) > limit:
+        raise ValueError(f"{len(prompts)} prompts in one request, but the server queues at most {limit} "
+                         f"requests (max_waiting_requests={limit}); send at most {limit} prompts per request")
+    if limit is not None and waiting + len(prompts) > limit:
+        raise QueueFullError(f"server is at capacity: {waiting} requests are waiting and this one brings "
+                             f"{len(prompts)} (max_waiting_requests={limit}); retry later")
+    rids = [rid if rid is not None else f"req-{next(ids)}" for rid in given]
+    seen: set[str] = set()
+    for rid in rids:
+        if rid in pending or rid in seen:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seen.add(rid)
+    return rids
 
 
 def _call(callback: Callable[[Any], None], arg: Any) -> None:

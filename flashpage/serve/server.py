@@ -24,6 +24,7 @@ from typing import Any
 import uvicorn
 
 from flashpage.serve.async_engine import AsyncLLM
+from flashpage.serve.engine_process import EngineProcess, EngineSpec
 
 TINY_MODEL_NAME = "flashpage-tiny"
 
@@ -42,6 +43,7 @@ class ServeOptions:
     chat_template: str | None = None
     log_level: str = "info"
     cpu_bind: str = "none"  # --cpu-bind (flashpage/cpu_threads.py), applied once the engine is built
+    engine_process: bool = False  # the engine in its own process (the CLI's default), else a thread of this one
     engine: dict[str, Any] = field(default_factory=dict)
 
 
@@ -100,15 +102,27 @@ def read_chat_template(path: str | None) -> str | None:
     return p.read_text()
 
 
-def build_engine(options: ServeOptions) -> AsyncLLM:
+def build_llm(model_name: str | None, engine: dict[str, Any]) -> Any:
+    """The :class:`~flashpage.LLM` ``flashpage serve`` runs: the model (``dtype`` and ``device`` taken from
+    ``engine``, the rest are LLM keyword arguments)."""
     from flashpage.commands import load_model
     from flashpage.engine import LLM
 
-    model, tokenizer = load_model(options.model, **_dtype(options.engine.pop("dtype", None)))
-    device = options.engine.pop("device", None)
+    engine = dict(engine)
+    model, tokenizer = load_model(model_name, **_dtype(engine.pop("dtype", None)))
+    device = engine.pop("device", None)
     if device is not None:
         model = model.to(device)
-    llm = LLM(model, tokenizer, **options.engine)
+    return LLM(model, tokenizer, **engine)
+
+
+def build_engine(options: ServeOptions) -> AsyncLLM | EngineProcess:
+    """The server's engine: in its own process (``options.engine_process``, bound there with
+    ``--cpu-bind``), else an engine thread of this process."""
+    if options.engine_process:
+        spec = EngineSpec(options.model, dict(options.engine), options.cpu_bind)
+        return EngineProcess(spec, max_waiting_requests=options.max_waiting_requests)
+    llm = build_llm(options.model, options.engine)
     return AsyncLLM(llm, max_waiting_requests=options.max_waiting_requests)
 
 
@@ -150,7 +164,9 @@ def run_server(options: ServeOptions, engine: AsyncLLM | None = None) -> int:
 
     template = read_chat_template(options.chat_template)
     engine = engine if engine is not None else build_engine(options)
-    if options.cpu_bind != "none":  # after the model loaded: bad arguments fail first, loading threads are bound too
+    if isinstance(engine, EngineProcess):  # bound in its own process, after the model loaded
+        print(f"flashpage serve: engine process {engine.pid}; CPU {engine.binding}", file=sys.stderr)
+    elif options.cpu_bind != "none":  # after the model loaded: bad arguments fail first, loading threads are bound too
         print(f"flashpage serve: CPU {bind_engine_threads(options.cpu_bind, engine)}", file=sys.stderr)
     name = options.served_model_name or options.model or TINY_MODEL_NAME
     limits = {"max_request_bytes": options.max_request_bytes} if options.max_request_bytes is not None else {}

@@ -120,7 +120,7 @@ def test_close_drains_then_stops_the_process() -> None:
     stream = proc.add_request("The list", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert proc.close(drain_timeout=60) is True
     assert _final(stream).finish_reason == "length"
-    assert proc._proc.exitcode == 0 and not proc.accepting
+    assert proc._proc.returncode == 0 and not proc.accepting
     with pytest.raises(EngineClosedError):
         proc.add_request("The list")
 

@@ -28,11 +28,14 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
-import multiprocessing
 import pickle
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from multiprocessing.connection import Connection
@@ -65,7 +68,7 @@ class EngineSpec:
     """What the child process builds: ``flashpage serve``'s model options and LLM keyword arguments.
 
     ``build`` (default :func:`flashpage.serve.server.build_llm`) must be importable by name, since the child
-    is a fresh interpreter (``spawn``); it gets this spec and returns an :class:`~flashpage.LLM`.
+    is a fresh interpreter; it gets this spec and returns an :class:`~flashpage.LLM`.
     """
 
     model: str | None = None
@@ -252,6 +255,42 @@ def _answer(engine: _ChildEngine, call_id: int, name: str, args: tuple[Any, ...]
 
 
 # ----------------------------------------------------------------------------------------- parent side
+def _start_child(spec: EngineSpec) -> tuple[Connection, subprocess.Popen[bytes]]:
+    """A fresh interpreter running :func:`child_entry` on one end of a socket pair; returns the other end.
+
+    A plain ``python -c`` child, not multiprocessing's ``spawn``: that re-imports the caller's main module
+    in the child, which a script without an ``if __name__ == "__main__":`` guard cannot survive. The child
+    gets this process's ``sys.path`` (so ``spec.build`` imports there as here) and the pickled spec first.
+    """
+    ours, theirs = socket.socketpair()
+    with theirs:
+        fd = theirs.fileno()
+        code = f"from flashpage.serve.engine_process import child_entry; child_entry({fd})"
+        proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[fd])
+    conn = Connection(ours.detach())
+    conn.send((list(sys.path), pickle.dumps(spec)))
+    return conn, proc
+
+
+def child_entry(fd: int) -> None:
+    """The engine process's entry point (see :func:`_start_child`)."""
+    conn = Connection(fd)
+    try:
+        path, spec = conn.recv()
+        sys.path[:] = path
+        spec = pickle.loads(spec)
+    except BaseException as exc:
+        conn.send(("error", _portable(exc)))
+        return
+    _child_main(conn, spec)
+
+
+def _kill_at_exit(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(5.0)
+
+
 @dataclass
 class RemoteLLM:
     """What the HTTP front reads of the engine's :class:`~flashpage.LLM` (the app's ``engine.llm``)."""
@@ -326,11 +365,8 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self.dead: BaseException | None = None
         self.failed_steps = 0  # engine steps that raised (as of the latest batch)
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads or locks
-        self._conn, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=_child_main, args=(child, spec), name="flashpage-engine")
-        self._proc.start()
-        child.close()
+        self._conn, self._proc = _start_child(spec)
+        weakref.finalize(self, _kill_at_exit, self._proc)  # an owner that never calls close()
         tokenizer, max_model_len, self._snapshot, self.binding = self._await_ready(startup_timeout)
         self.llm = RemoteLLM(pickle.loads(tokenizer), max_model_len, self._call)
         self._reader = threading.Thread(target=self._read, name="flashpage-engine-reader", daemon=True)
@@ -536,13 +572,14 @@ class EngineProcess:
         self._wakeups.flush()
 
     def _join(self, timeout: float) -> int | None:
-        self._proc.join(timeout)
-        if self._proc.is_alive():
+        try:
+            return self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
             self._kill()
-        return self._proc.exitcode
+            return self._proc.returncode
 
     def _kill(self) -> None:
-        if self._proc.is_alive():
+        if self._proc.poll() is None:
             log.warning("the engine process did not stop; killing it")
             self._proc.kill()
-            self._proc.join(5.0)
+            self._proc.wait(5.0)

@@ -56,7 +56,7 @@ class _DrainingServer(uvicorn.Server):
     running requests get up to ``drain_timeout`` seconds, what still runs then is aborted, and only
     once nothing is left (or a second signal) is uvicorn told to exit."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, drain_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM | EngineProcess, drain_timeout: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_timeout = drain_timeout
@@ -160,10 +160,17 @@ def bind_engine_threads(spec: str, engine: AsyncLLM) -> str:
 def run_server(options: ServeOptions, engine: AsyncLLM | None = None) -> int:
     """Serve until SIGTERM/SIGINT, then drain and return 0. ``engine``: one already built (tensor
     parallel rank 0, see :mod:`flashpage.serve.tp`); default: built from ``options``."""
+    template = read_chat_template(options.chat_template)
+    built = engine if engine is not None else build_engine(options)
+    try:  # whatever happens from here on, the engine (thread or process) is stopped before returning
+        return _serve(options, built, template)
+    finally:
+        built.close(drain_timeout=0.0)
+
+
+def _serve(options: ServeOptions, engine: AsyncLLM | EngineProcess, template: str | None) -> int:
     from flashpage.serve.app import build_app
 
-    template = read_chat_template(options.chat_template)
-    engine = engine if engine is not None else build_engine(options)
     if isinstance(engine, EngineProcess):  # bound in its own process, after the model loaded
         print(f"flashpage serve: engine process {engine.pid}; CPU {engine.binding}", file=sys.stderr)
     elif options.cpu_bind != "none":  # after the model loaded: bad arguments fail first, loading threads are bound too

@@ -172,6 +172,31 @@ def test_decode_step_many_sequences(kv_heads, window, generic):
     assert all(torch.equal(x, y) for x, y in zip(_check(few), _check(few, threads=2), strict=True))
 
 
+# Prefill tiles (16+ (query, head) rows, float32 AVX-512: keys in blocks of 128 gathered across pages, 8 rows
+# scored / normalised / multiplied by V together): (head_dim, value_dim, page, group, causal, window, softcap, sinks).
+# Pages smaller than the key block (1, 16), not dividing it (48: a block starts mid-page), larger (256).
+_PREFILL_TILES = [
+    (64, 64, 16, 4, True, (-1, -1), 0.0, False),  # the shared-prefix step's shape
+    (64, 64, 128, 4, True, (-1, -1), 0.0, True),
+    (16, 16, 1, 8, True, (16, 0), 0.0, False),
+    (72, 32, 48, 2, False, (5, 5), 10.0, True),
+    (80, 80, 16, 1, False, (-1, 3), 0.0, False),
+    (64, 64, 256, 4, True, (40, 0), 10.0, False),
+    (80, 32, 48, 8, True, (-1, -1), 0.0, True),
+]
+
+
+@pytest.mark.parametrize("case", _PREFILL_TILES)
+def test_prefill_tiles(case):
+    """Prefill tiles against the oracle: queries after hundreds of cached keys (several key blocks), a prompt
+    with no cache, tiles split at 32 query rows, partial first and last pages, windows, softcap, sinks, D != Dv."""
+    d, dv, page, group, causal, window, softcap, sinks = case
+    c = dict(seq_q=[58, 19, 40, 33], seq_k=[570, 19, 300, 170], page=page, head_dim=d, value_dim=dv, kv_heads=2,
+             group=group, dtype=torch.float32, causal=causal, window=window, softcap=softcap, s_aux=sinks,
+             extra_cols=1, seed=d + page + group, generic=False)
+    _check(c)
+
+
 def _layer_case(seed: int, sq: int, lengths: list[int], page: int = 16, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     b, heads, hk, d = len(lengths), 8, 2, 64

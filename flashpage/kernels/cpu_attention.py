@@ -35,7 +35,7 @@ import torch
 
 ENV = "FLASHPAGE_CPU_ATTENTION"  # "reference" forces the PyTorch path; anything else / unset: auto
 _DTYPES = (torch.float32, torch.float64)
-_VERSION = 9  # bump when the C++ source changes meaning (the source hash also rebuilds)
+_VERSION = 10  # bump when the C++ source changes meaning (the source hash also rebuilds)
 
 # Cephes' expf polynomial (about 1 ulp on [-87.3, 88.3], which callers clamp x to), one float and 16
 # lanes; this kernel's source and cpu_fused's both include it (after their headers).
@@ -514,12 +514,23 @@ inline void softmax_update(Work<float>& w, int64_t r, int64_t dv, float* s, int6
   w.l[r] += _mm512_reduce_add_ps(sum);
 }
 
-// Scores of R query rows (at q, row stride d) against n keys held transposed in kt (d rows of ldk
-// floats, zero past n, ldk a multiple of 32): s[r * lds + j]. R rows x 2 vectors of 16 keys stay in
-// registers over d (a GEMM micro-kernel: every key vector is loaded once for the R rows).
+// Lanes j .. j+15 that fall in [s0, s1), as a mask.
+inline __mmask16 span_lanes(int64_t s0, int64_t s1, int64_t j) {
+  const int64_t lo = std::clamp<int64_t>(s0 - j, 0, 16), hi = std::clamp<int64_t>(s1 - j, 0, 16);
+  return __mmask16(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+// Scores of R query rows (at q, row stride d) against keys [u0, u1) held transposed in kt (d rows of ldk
+// floats, zero past the block's keys, readable up to column u0 + 32 * ceil((u1 - u0) / 32)):
+// s[r * lds + j] for j in [u0, u1). R rows x 2 vectors of 16 keys stay in registers over d (a GEMM
+// micro-kernel: every key vector is loaded once for the R rows); on the way out, rmax[r] = the largest
+// score of row r within its own keys [span[2r], span[2r + 1]) (-inf if none).
 template <int R>
-inline void qk_block(const float* q, int64_t d, const float* kt, int64_t ldk, int64_t n, float* s, int64_t lds) {
-  for (int64_t j = 0; j < n; j += 32) {
+inline void qk_block(const float* q, int64_t d, const float* kt, int64_t ldk, int64_t u0, int64_t u1, float* s,
+                     int64_t lds, const int64_t* span, float* rmax) {
+  __m512 vmax[R];
+  for (int r = 0; r < R; ++r) vmax[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = u0; j < u1; j += 32) {
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t x = 0; x < d; ++x) {
@@ -531,17 +542,20 @@ inline void qk_block(const float* q, int64_t d, const float* kt, int64_t ldk, in
       }
     }
     for (int r = 0; r < R; ++r) {
-      _mm512_mask_storeu_ps(s + r * lds + j, lanes(n - j), acc[r][0]);
-      if (n - j > 16) _mm512_mask_storeu_ps(s + r * lds + j + 16, lanes(n - j - 16), acc[r][1]);
+      _mm512_mask_storeu_ps(s + r * lds + j, lanes(u1 - j), acc[r][0]);
+      if (u1 - j > 16) _mm512_mask_storeu_ps(s + r * lds + j + 16, lanes(u1 - j - 16), acc[r][1]);
+      vmax[r] = _mm512_mask_max_ps(vmax[r], span_lanes(span[2 * r], span[2 * r + 1], j), vmax[r], acc[r][0]);
+      vmax[r] = _mm512_mask_max_ps(vmax[r], span_lanes(span[2 * r], span[2 * r + 1], j + 16), vmax[r], acc[r][1]);
     }
   }
+  for (int r = 0; r < R; ++r) rmax[r] = _mm512_reduce_max_ps(vmax[r]);
 }
 
-// dst[c * ds + i] = src[i * ss + c] for i < 16 (0 for i >= rows), c < cols (a 16 x 16 block through
-// registers: unpack, shuffle, then two 128-bit lane exchanges).
-inline void transpose16(const float* src, int64_t ss, int64_t rows, int64_t cols, float* dst, int64_t ds) {
+// dst[c * ds + i] = src[i][x + c] for i < 16 (0 for i >= rows), c < cols (a 16 x 16 block through
+// registers: unpack, shuffle, then two 128-bit lane exchanges); src: 16 row pointers (rows of them read).
+inline void transpose16(const float* const* src, int64_t x, int64_t rows, int64_t cols, float* dst, int64_t ds) {
   __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_maskz_loadu_ps(lanes(cols), src + i * ss) : _mm512_setzero_ps();
+  for (int i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_maskz_loadu_ps(lanes(cols), src[i] + x) : _mm512_setzero_ps();
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -564,29 +578,216 @@ inline void transpose16(const float* src, int64_t ss, int64_t rows, int64_t cols
   for (int c = 0; c < cols; ++c) _mm512_storeu_ps(dst + c * ds, r[c]);
 }
 
-// Every row's scores against the page's n keys (key j at k + j * ks), for tiles of many rows: the keys
-// are transposed once into kt, then qk_block runs 8 rows at a time. Scores outside a row's visible
-// keys are computed too (the caller reads only its span).
-inline void qk_page(const float* q, int64_t rows, int64_t d, const float* k, int64_t ks, int64_t n, float* s,
-                    std::vector<float>& kt) {
-  const int64_t ldk = (n + 31) / 32 * 32;
-  kt.resize(d * ldk);
+constexpr int64_t kTileRows = 16;   // tiles with this many (query, head) rows take prefill_tile
+constexpr int64_t kKeyBlock = 128;  // keys prefill_tile scores at once, across pages when they are smaller
+constexpr int64_t kRowBlock = 8;    // rows it scores, normalises and multiplies by V together
+
+// A key block [j0, j1) of sequence b, KV head hk, as row pointers: key j - j0 at krow[j - j0], its value at
+// vrow[j - j0] (the block may span several pages).
+inline void block_rows(const Args<float>& a, int64_t b, int64_t hk, int64_t j0, int64_t j1, const float** krow,
+                       const float** vrow) {
+  const int64_t* table = a.table + b * a.table_b;
+  for (int64_t j = j0; j < j1;) {
+    const int64_t p = j / a.page, blk = table[p], end = std::min(j1, (p + 1) * a.page);
+    const float* k = a.k + blk * a.k_b + hk * a.k_h + (j - p * a.page) * a.k_p;
+    const float* v = a.v + blk * a.v_b + hk * a.v_h + (j - p * a.page) * a.v_p;
+    for (; j < end; ++j, k += a.k_p, v += a.v_p) {
+      krow[j - j0] = k;
+      vrow[j - j0] = v;
+    }
+  }
+}
+
+// The block's n keys transposed into kt (d rows of ldk floats, zero from n to ldk, ldk a multiple of 32).
+inline void transpose_keys(const float* const* krow, int64_t n, int64_t d, float* kt, int64_t ldk) {
   for (int64_t j = 0; j < ldk; j += 16) {
     const int64_t keys = std::max<int64_t>(0, std::min<int64_t>(16, n - j));  // 0: a block of padding
     for (int64_t x = 0; x < d; x += 16)
-      transpose16(k + j * ks + x, ks, keys, std::min<int64_t>(16, d - x), kt.data() + x * ldk + j, ldk);
+      transpose16(krow + j, x, keys, std::min<int64_t>(16, d - x), kt + x * ldk + j, ldk);
   }
-  int64_t r = 0;
-  for (; r + 8 <= rows; r += 8) qk_block<8>(q + r * d, d, kt.data(), ldk, n, s + r * n, n);
-  for (; r + 4 <= rows; r += 4) qk_block<4>(q + r * d, d, kt.data(), ldk, n, s + r * n, n);
-  for (; r < rows; ++r) qk_block<1>(q + r * d, d, kt.data(), ldk, n, s + r * n, n);
 }
 
-constexpr int64_t kTileRows = 16;  // tiles with this many (query, head) rows score each page with qk_page
+// pv_block with the values behind row pointers: o[r] += sum_j p[r][j] vrow[j][x ..] for j in [j0, j1).
+template <int R, int NV>
+__attribute__((always_inline)) inline void pv_block_rows(float* o, int64_t ldo, const float* p, int64_t ldp,
+                                                         const float* const* vrow, int64_t x, int64_t j0, int64_t j1,
+                                                         __mmask16 tail) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c)
+      acc[r][c] = _mm512_maskz_loadu_ps(c == NV - 1 ? tail : __mmask16(0xFFFF), o + r * ldo + 16 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* v = vrow[j] + x;
+    __m512 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = _mm512_maskz_loadu_ps(c == NV - 1 ? tail : __mmask16(0xFFFF), v + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pb = _mm512_set1_ps(p[r * ldp + j]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c)
+      _mm512_mask_storeu_ps(o + r * ldo + 16 * c, c == NV - 1 ? tail : __mmask16(0xFFFF), acc[r][c]);
+}
 
-// The same tile as attend_tile, float32: per page, each row's visible keys scored (qk_row; a tile of
-// kTileRows rows or more: all rows at once, qk_page), its online
-// softmax updated, then P.V for 4 rows at a time over the union of their visible keys.
+// R rows' accumulators (o, stride dv) += P (rows at stride ldp) . V over keys [j0, j1), 64 columns at a time.
+template <int R>
+void pv_rows_ptr(float* o, int64_t dv, const float* p, int64_t ldp, const float* const* vrow, int64_t j0, int64_t j1) {
+  for (int64_t x = 0; x < dv; x += 64) {
+    const int64_t width = std::min<int64_t>(64, dv - x);
+    const __mmask16 tail = lanes(width - 16 * ((width - 1) / 16));
+    switch ((width + 15) / 16) {
+      case 1: pv_block_rows<R, 1>(o + x, dv, p, ldp, vrow, x, j0, j1, tail); break;
+      case 2: pv_block_rows<R, 2>(o + x, dv, p, ldp, vrow, x, j0, j1, tail); break;
+      case 3: pv_block_rows<R, 3>(o + x, dv, p, ldp, vrow, x, j0, j1, tail); break;
+      default: pv_block_rows<R, 4>(o + x, dv, p, ldp, vrow, x, j0, j1, tail); break;
+    }
+  }
+}
+
+inline void pv_ptr_up_to4(float* o, int64_t dv, const float* p, int64_t ldp, const float* const* vrow, int64_t j0,
+                          int64_t j1, int64_t nr) {
+  switch (nr) {
+    case 4: pv_rows_ptr<4>(o, dv, p, ldp, vrow, j0, j1); break;
+    case 3: pv_rows_ptr<3>(o, dv, p, ldp, vrow, j0, j1); break;
+    case 2: pv_rows_ptr<2>(o, dv, p, ldp, vrow, j0, j1); break;
+    default: pv_rows_ptr<1>(o, dv, p, ldp, vrow, j0, j1); break;
+  }
+}
+
+inline void qk_up_to8(const float* q, int64_t d, const float* kt, int64_t ldk, int64_t u0, int64_t u1, float* s,
+                      int64_t lds, const int64_t* span, float* rmax, int64_t nr) {
+  switch (nr) {
+    case 8: return qk_block<8>(q, d, kt, ldk, u0, u1, s, lds, span, rmax);
+    case 7: return qk_block<7>(q, d, kt, ldk, u0, u1, s, lds, span, rmax);
+    case 6: return qk_block<6>(q, d, kt, ldk, u0, u1, s, lds, span, rmax);
+    case 5: return qk_block<5>(q, d, kt, ldk, u0, u1, s, lds, span, rmax);
+    case 4: return qk_block<4>(q, d, kt, ldk, u0, u1, s, lds, span, rmax);
+    case 3: return qk_block<3>(q, d, kt, ldk, u0, u1, s, lds, span, rmax);
+    case 2: return qk_block<2>(q, d, kt, ldk, u0, u1, s, lds, span, rmax);
+    default: return qk_block<1>(q, d, kt, ldk, u0, u1, s, lds, span, rmax);
+  }
+}
+
+// The online-softmax step of R rows r0 .. r0+R-1 on their scores s[u0, u1) (rows at stride lds), row r seeing
+// [span[2r], span[2r + 1]) of them with largest score rmax[r]: each accumulator row and sum rescaled only when
+// its running max grows, then one pass over the union for all R rows together (independent exp chains) that
+// leaves exp(s - max) on a row's own keys and 0 on the rest (P for the P.V over the union).
+template <int R>
+inline void softmax_rows(Work<float>& w, int64_t r0, int64_t dv, float* s, int64_t lds, int64_t u0, int64_t u1,
+                         const int64_t* span, const float* rmax) {
+  __m512 m[R], sum[R];
+  for (int r = 0; r < R; ++r) {
+    float& mr = w.m[r0 + r];
+    if (rmax[r] > mr) {
+      const float alpha = std::exp(mr - rmax[r]);  // exp(-inf) = 0 on a row's first keys
+      w.l[r0 + r] *= alpha;
+      scale_row(w.acc.data() + (r0 + r) * dv, alpha, dv);
+      mr = rmax[r];
+    }
+    m[r] = _mm512_set1_ps(mr);
+    sum[r] = _mm512_setzero_ps();
+  }
+  for (int64_t j = u0; j < u1; j += 16) {
+    const __mmask16 k = lanes(u1 - j);
+    for (int r = 0; r < R; ++r) {
+      const __mmask16 own = span_lanes(span[2 * r], span[2 * r + 1], j) & k;
+      const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(own, s + r * lds + j), m[r]);
+      const __m512 p = _mm512_maskz_mov_ps(own, exp_nonpositive(x));
+      _mm512_mask_storeu_ps(s + r * lds + j, k, p);
+      sum[r] = _mm512_add_ps(sum[r], p);
+    }
+  }
+  for (int r = 0; r < R; ++r) w.l[r0 + r] += _mm512_reduce_add_ps(sum[r]);
+}
+
+inline void softmax_up_to8(Work<float>& w, int64_t r0, int64_t dv, float* s, int64_t lds, int64_t u0, int64_t u1,
+                           const int64_t* span, const float* rmax, int64_t nr) {
+  switch (nr) {
+    case 8: return softmax_rows<8>(w, r0, dv, s, lds, u0, u1, span, rmax);
+    case 4: return softmax_rows<4>(w, r0, dv, s, lds, u0, u1, span, rmax);
+    default:
+      for (int64_t r = 0; r < nr; ++r)
+        softmax_rows<1>(w, r0 + r, dv, s + r * lds, lds, u0, u1, span + 2 * r, rmax + r);
+  }
+}
+
+// The largest of s[s0, s1) (-inf when empty).
+inline float row_max(const float* s, int64_t s0, int64_t s1) {
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = s0; j < s1; j += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, lanes(s1 - j), s + j));
+  return _mm512_reduce_max_ps(vmax);
+}
+
+// A prefill tile (kTileRows rows or more) of sequence b, KV head hk: keys in blocks of kKeyBlock (gathered
+// across pages, K transposed once per block), then kRowBlock rows at a time: their scores against the union
+// of their visible keys (qk_block), each row's online softmax over its own keys (zeros around them), P.V for
+// 4 rows at a time. The rows' scores stay in a kRowBlock x kKeyBlock buffer (L1) between the three steps.
+inline void prefill_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1, Work<float>& w) {
+  const int64_t group = a.heads / a.kv_heads, d = a.d, dv = a.dv;
+  const int64_t shift = a.seqlens_k[b] - (a.cu_q[b + 1] - a.cu_q[b]);
+  const int64_t rows = (i1 - i0) * group;
+  start_tile(a, b, hk, hk + 1, i0, i1, w);
+  static thread_local std::vector<float> kt;  // the block's keys transposed, padded to 32 columns (+ 32 slack)
+  static thread_local std::vector<const float*> kv_rows;  // K row pointers, then V row pointers
+  kt.resize(d * kKeyBlock + 32);
+  kv_rows.resize(2 * kKeyBlock);
+  w.s.resize(kRowBlock * kKeyBlock);
+  w.span.resize(2 * kRowBlock);
+  const float** krow = kv_rows.data();
+  const float** vrow = kv_rows.data() + kKeyBlock;
+  int64_t* span = w.span.data();
+  int64_t lo, hi;
+  tile_keys(a, b, i0, i1, lo, hi);
+  for (int64_t j0 = lo; j0 < hi;) {
+    const int64_t j1 = std::min(hi, (j0 / kKeyBlock + 1) * kKeyBlock), n = j1 - j0, ldk = (n + 31) / 32 * 32;
+    block_rows(a, b, hk, j0, j1, krow, vrow);
+    transpose_keys(krow, n, d, kt.data(), ldk);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+      const int64_t nr = std::min(kRowBlock, rows - r0);
+      int64_t u0 = n, u1 = 0;  // the union of the rows' visible keys in the block
+      for (int64_t r = 0; r < nr; ++r) {
+        int64_t s0, s1;
+        row_span(a, i0 + (r0 + r) / group, shift, j0, j1, s0, s1);
+        span[2 * r] = s0 - j0;
+        span[2 * r + 1] = s1 - j0;
+        if (s0 < s1) {
+          u0 = std::min(u0, s0 - j0);
+          u1 = std::max(u1, s1 - j0);
+        }
+      }
+      if (u0 >= u1) continue;
+      float* s = w.s.data();
+      float rmax[kRowBlock];
+      qk_up_to8(w.q.data() + r0 * d, d, kt.data(), ldk, u0, u1, s, kKeyBlock, span, rmax, nr);
+      if (a.softcap > 0)
+        for (int64_t r = 0; r < nr; ++r) {
+          float* srow = s + r * kKeyBlock;
+          const int64_t s0 = span[2 * r], s1 = span[2 * r + 1];
+          for (int64_t j = s0; j < s1; ++j) srow[j] = a.softcap * std::tanh(srow[j]);
+          rmax[r] = row_max(srow, s0, s1);
+        }
+      softmax_up_to8(w, r0, dv, s, kKeyBlock, u0, u1, span, rmax, nr);
+      for (int64_t h0 = 0; h0 < nr; h0 += 4) {
+        const int64_t nh = std::min<int64_t>(4, nr - h0);
+        int64_t v0 = n, v1 = 0;
+        for (int64_t r = h0; r < h0 + nh; ++r)
+          if (span[2 * r] < span[2 * r + 1]) {
+            v0 = std::min(v0, span[2 * r]);
+            v1 = std::max(v1, span[2 * r + 1]);
+          }
+        if (v0 < v1) pv_ptr_up_to4(w.acc.data() + (r0 + h0) * dv, dv, s + h0 * kKeyBlock, kKeyBlock, vrow, v0, v1, nh);
+      }
+    }
+    j0 = j1;
+  }
+  finish_tile(a, b, hk, hk + 1, i0, i1, w);
+}
+
+
+// The same tile as attend_tile, float32, fewer than kTileRows rows (prefill_tile takes larger ones): per
+// page, each row's visible keys scored (qk_row), its online softmax updated, then P.V for 4 rows at a
+// time over the union of their visible keys.
 inline void attend_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1, Work<float>& w,
                         QkFn qk) {
   const int64_t group = a.heads / a.kv_heads, d = a.d, dv = a.dv;
@@ -597,8 +798,6 @@ inline void attend_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0,
   w.s.resize(rows * a.page);
   w.span.resize(2 * rows);
   int64_t* span = w.span.data();
-  const bool tiled = rows >= kTileRows;
-  static thread_local std::vector<float> kt;  // the page's keys transposed (qk_page)
   int64_t lo = 0, hi = sk;
   if (a.left >= 0) lo = std::max<int64_t>(0, i0 + shift - a.left);
   if (a.right >= 0) hi = std::min<int64_t>(sk, i1 - 1 + shift + a.right + 1);
@@ -608,7 +807,6 @@ inline void attend_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0,
     const int64_t j0 = std::max(lo, p * a.page), j1 = std::min(hi, (p + 1) * a.page), n = j1 - j0;
     const float* k0 = a.k + blk * a.k_b + hk * a.k_h + (j0 - p * a.page) * a.k_p;
     const float* v0 = a.v + blk * a.v_b + hk * a.v_h + (j0 - p * a.page) * a.v_p;
-    if (tiled) qk_page(w.q.data(), rows, d, k0, a.k_p, n, w.s.data(), kt);
     for (int64_t r = 0; r < rows; ++r) {
       int64_t s0, s1;
       row_span(a, i0 + r / group, shift, j0, j1, s0, s1);
@@ -618,7 +816,7 @@ inline void attend_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0,
       span[2 * r + 1] = s1;
       if (s0 >= s1) continue;
       float* srow = w.s.data() + r * n;
-      if (!tiled) qk(w.q.data() + r * d, k0 + s0 * a.k_p, a.k_p, s1 - s0, d, srow + s0);
+      qk(w.q.data() + r * d, k0 + s0 * a.k_p, a.k_p, s1 - s0, d, srow + s0);
       if (a.softcap > 0)
         for (int64_t j = s0; j < s1; ++j) srow[j] = a.softcap * std::tanh(srow[j]);
       softmax_update(w, r, dv, srow + s0, s1 - s0);
@@ -791,6 +989,10 @@ void run(const Args<T>& a, int64_t batch, bool generic) {
           const Task* nx = t + 1 < end && tasks[t + 1].decode ? &tasks[t + 1] : nullptr;
           const fast::PageRows after = nx ? fast::first_page(a, nx->b, nx->h0, nx->i0, nx->i1) : fast::PageRows{};
           fast::attend_decode(a, k.b, k.h0, k.h1, k.i0, k.i1, w, qk, after);
+          continue;
+        }
+        if (fast && (k.i1 - k.i0) * (a.heads / a.kv_heads) >= fast::kTileRows) {
+          fast::prefill_tile(a, k.b, k.h0, k.i0, k.i1, w);
           continue;
         }
         if (fast) {

@@ -23,10 +23,11 @@ tokens/s, TTFT p50, TPOT p50 and E2E p50 (and the client's CPU seconds), the med
 vLLM ratios, and whether the greedy texts are identical request by request. Both servers are stopped
 (their whole process groups) at the end, also on error or Ctrl-C.
 
-Process layout: vLLM binds its model worker's OpenMP threads and leaves its API server (and engine
-core) processes to the OS; ``flashpage serve --cpu-bind`` binds its engine thread and leaves its HTTP
-front (event loop, tokenizer threads) on the process's cores: each server's front shares the
-machine with the client, neither takes the bound core from its engine.
+Process layout: vLLM runs an API-server process and an engine-core process, binds its model worker's
+OpenMP threads and leaves the API server to the OS; ``flashpage serve`` runs its engine in its own process
+too (``--engine-process``, the default), binds that process with ``--cpu-bind`` and leaves its HTTP front
+(event loop, tokenizer threads) to the OS: each server's front shares the machine with the client,
+neither takes the bound core from its engine.
 """
 
 from __future__ import annotations

@@ -468,6 +468,7 @@ class EngineProcess:
         self._send(("close",))
         self._reader.join(timeout=max(10.0, drain_timeout))
         self._join(10.0)
+        self._conn.close()
         self._fail_open(EngineClosedError("the server shut down before this request finished"))
         return drained
 

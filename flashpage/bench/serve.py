@@ -151,11 +151,14 @@ def bench_server(url: str, model: str, prompts: list[str], rates: list[float], m
                  seed: int, label: str) -> tuple[list[dict[str, Any]], list[list[str]]]:
     """Run every rate against one server: per-rate summaries and per-rate output texts."""
     rows, texts = [], []
+    group = SERVER_GROUPS.get(url)
     for k, rate in enumerate(rates):
-        cpu = time.process_time()
+        cpu, server_cpu = time.process_time(), group_cpu_seconds(group)
         results, duration = asyncio.run(_run_rate(url, model, prompts, rate, max_tokens, seed + k))
         row = summarize(rate, results, duration)
         row["client_cpu_s"] = round(time.process_time() - cpu, 3)  # this process: the client shares the cores
+        after = group_cpu_seconds(group)
+        row["server_cpu_s"] = None if after is None or server_cpu is None else round(after - server_cpu, 3)
         _log(f"{label} rate {row['rate']}: {row['output_tokens_per_s']} tok/s, TTFT p50 {row['ttft_p50_ms']} ms, "
              f"ITL p50 {row['itl_p50_ms']} ms, failed {row['failed']}")
         rows.append(row)
@@ -168,6 +171,29 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+SERVER_GROUPS: dict[str, int] = {}  # base URL -> process group of a server started_server() runs
+
+
+def group_cpu_seconds(pgid: int | None) -> float | None:
+    """User + system CPU seconds of the live processes in process group ``pgid`` (a server and the engine
+    processes it started), from /proc; None without a group or /proc. Processes that ended are not counted."""
+    if pgid is None or not os.path.isdir("/proc"):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[2]) == pgid:  # fields: state, ppid, pgrp, ..., utime (12), stime (13)
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
 
 
 @contextmanager
@@ -196,8 +222,10 @@ def started_server(cmd: list[str], port: int, env: dict[str, str] | None = None,
                 raise RuntimeError(f"`{' '.join(cmd[:4])} ...` did not answer /health in {timeout:.0f} s: "
                                    f"{log.read()[-400:]}")
             time.sleep(0.25)
+        SERVER_GROUPS[url] = proc.pid  # its own session: the group id is its pid
         yield url
     finally:
+        SERVER_GROUPS.pop(url, None)
         _stop_group(proc)
         log.close()
 

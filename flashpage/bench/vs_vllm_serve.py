@@ -144,7 +144,7 @@ def summarize_rate(rate: float, fp_rows: list[dict[str, Any]], vl_rows: list[dic
     out: dict[str, Any] = {"rate": serve_bench._rate(rate), "identical_requests": same, "requests": len(fp_texts),
                            "differing_requests": differ[:10]}
     for label, rows in (("flashpage", fp_rows), ("vllm", vl_rows)):
-        out[label] = {"runs": rows, **{k: _median(rows, k) for k in (*MEASURES, "client_cpu_s")},
+        out[label] = {"runs": rows, **{k: _median(rows, k) for k in (*MEASURES, "client_cpu_s", "server_cpu_s")},
                       "failed": sum(r["failed"] for r in rows)}
     out["ratios"] = {k: _ratio(out["flashpage"][k], out["vllm"][k]) for k in MEASURES}
     return out
@@ -210,20 +210,21 @@ def format_report(result: dict[str, Any]) -> str:
              f"{result['rounds']} alternating round(s), medians; load average {result['load_average_1m']}",
              http_note(result.get("flashpage_http", http_stack())), ""]
     head = (f"{'rate':>5} {'server':<10} {'tok/s':>8} {'TTFT p50':>9} {'TPOT p50':>9} {'E2E p50':>9} "
-            f"{'client s':>8} {'failed':>6}  {'identical':>9}")
+            f"{'server s':>8} {'client s':>8} {'failed':>6}  {'identical':>9}")
     lines += [head, "-" * len(head)]
     for row in result["rates"]:
         for label in ("flashpage", "vllm"):
             m = row[label]
             lines.append(f"{row['rate']!s:>5} {label:<10} {_num(m['output_tokens_per_s'])} "
                          f"{_num(m['ttft_p50_ms'], 9)} {_num(m['tpot_p50_ms'], 9)} {_num(m.get('e2e_p50_ms'), 9)} "
-                         f"{_num(m.get('client_cpu_s'), 8, 2)} {m['failed']:>6}")
+                         f"{_num(m.get('server_cpu_s'), 8, 2)} {_num(m.get('client_cpu_s'), 8, 2)} {m['failed']:>6}")
         q = row["ratios"]
         lines.append(f"{row['rate']!s:>5} {'fp / vLLM':<10} {_x(q['output_tokens_per_s'])} "
                      f"{_x(q['ttft_p50_ms'], 9)} {_x(q['tpot_p50_ms'], 9)} {_x(q.get('e2e_p50_ms'), 9)} "
-                     f"{'':>8} {'':>6}  {row['identical_requests']}/{row['requests']}")
+                     f"{'':>8} {'':>8} {'':>6}  {row['identical_requests']}/{row['requests']}")
     lines += ["", "(tok/s: output tokens/s; TTFT, TPOT, E2E (a request's send to its last chunk) in ms, measured by "
-              "the client; client s: the client's CPU seconds per run (it shares the machine); ratios flashpage / "
+              "the client; server s / client s: CPU seconds per run of the server's processes (all of them: front, "
+              "engine, workers) and of the client (they share the machine); ratios flashpage / "
               "vLLM: above 1 is better for tok/s, below 1 is better for the latencies. A server that streams a "
               "request's tokens in one burst shows a TPOT near 0: compare E2E there)",
               f"greedy outputs identical: {result['outputs_agree']}"]

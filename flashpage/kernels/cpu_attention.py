@@ -35,7 +35,7 @@ import torch
 
 ENV = "FLASHPAGE_CPU_ATTENTION"  # "reference" forces the PyTorch path; anything else / unset: auto
 _DTYPES = (torch.float32, torch.float64)
-_VERSION = 10  # bump when the C++ source changes meaning (the source hash also rebuilds)
+_VERSION = 11  # bump when the C++ source changes meaning (the source hash also rebuilds)
 
 # Cephes' expf polynomial (about 1 ulp on [-87.3, 88.3], which callers clamp x to), one float and 16
 # lanes; this kernel's source and cpu_fused's both include it (after their headers).
@@ -514,6 +514,24 @@ inline void softmax_update(Work<float>& w, int64_t r, int64_t dv, float* s, int6
   w.l[r] += _mm512_reduce_add_ps(sum);
 }
 
+// 2^x for x <= 0, 16 lanes (0 below about -150; larger x overflow to inf): 2^r for r = x - round(x) in
+// [-0.5, 0.5] by a degree-6 polynomial fitted for relative error (1.9e-9, about 1e-7 evaluated in float32),
+// times 2^round(x). Three operations fewer than exp_poly16 (no ln 2 reduction, no clamp: scalef saturates).
+inline __m512 exp2_nonpositive(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_set1_ps(1.535086630610749e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.339997397735715e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(9.618470445275307e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.550328642129898e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(2.4022647738456726e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(6.931471824645996e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
+
 // Lanes j .. j+15 that fall in [s0, s1), as a mask.
 inline __mmask16 span_lanes(int64_t s0, int64_t s1, int64_t j) {
   const int64_t lo = std::clamp<int64_t>(s0 - j, 0, 16), hi = std::clamp<int64_t>(s1 - j, 0, 16);
@@ -669,10 +687,11 @@ inline void qk_up_to8(const float* q, int64_t d, const float* kt, int64_t ldk, i
   }
 }
 
-// The online-softmax step of R rows r0 .. r0+R-1 on their scores s[u0, u1) (rows at stride lds), row r seeing
-// [span[2r], span[2r + 1]) of them with largest score rmax[r]: each accumulator row and sum rescaled only when
-// its running max grows, then one pass over the union for all R rows together (independent exp chains) that
-// leaves exp(s - max) on a row's own keys and 0 on the rest (P for the P.V over the union).
+// The online-softmax step of R rows r0 .. r0+R-1 on their scores s[u0, u1) (rows at stride lds; base 2: the
+// logits times log2 e, as the running max w.m), row r seeing [span[2r], span[2r + 1]) of them with largest
+// score rmax[r]: each accumulator row and sum rescaled only when its running max grows, then one pass over the
+// union for all R rows together (independent exp chains) that leaves 2^(s - max) on a row's own keys and 0 on
+// the rest (P for the P.V over the union).
 template <int R>
 inline void softmax_rows(Work<float>& w, int64_t r0, int64_t dv, float* s, int64_t lds, int64_t u0, int64_t u1,
                          const int64_t* span, const float* rmax) {
@@ -680,7 +699,7 @@ inline void softmax_rows(Work<float>& w, int64_t r0, int64_t dv, float* s, int64
   for (int r = 0; r < R; ++r) {
     float& mr = w.m[r0 + r];
     if (rmax[r] > mr) {
-      const float alpha = std::exp(mr - rmax[r]);  // exp(-inf) = 0 on a row's first keys
+      const float alpha = std::exp2(mr - rmax[r]);  // 2^-inf = 0 on a row's first keys
       w.l[r0 + r] *= alpha;
       scale_row(w.acc.data() + (r0 + r) * dv, alpha, dv);
       mr = rmax[r];
@@ -693,7 +712,7 @@ inline void softmax_rows(Work<float>& w, int64_t r0, int64_t dv, float* s, int64
     for (int r = 0; r < R; ++r) {
       const __mmask16 own = span_lanes(span[2 * r], span[2 * r + 1], j) & k;
       const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(own, s + r * lds + j), m[r]);
-      const __m512 p = _mm512_maskz_mov_ps(own, exp_nonpositive(x));
+      const __m512 p = _mm512_maskz_mov_ps(own, exp2_nonpositive(x));
       _mm512_mask_storeu_ps(s + r * lds + j, k, p);
       sum[r] = _mm512_add_ps(sum[r], p);
     }
@@ -728,6 +747,11 @@ inline void prefill_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0
   const int64_t shift = a.seqlens_k[b] - (a.cu_q[b + 1] - a.cu_q[b]);
   const int64_t rows = (i1 - i0) * group;
   start_tile(a, b, hk, hk + 1, i0, i1, w);
+  // scores in base 2 (softmax_rows): log2 e folded into q, or into the softcap's factor
+  for (int64_t r = 0; r < rows; ++r) w.m[r] *= kLog2e;
+  if (a.softcap <= 0)
+    for (float& x : w.q) x *= kLog2e;
+  const float softcap2 = a.softcap * kLog2e;
   static thread_local std::vector<float> kt;  // the block's keys transposed, padded to 32 columns (+ 32 slack)
   static thread_local std::vector<const float*> kv_rows;  // K row pointers, then V row pointers
   kt.resize(d * kKeyBlock + 32);
@@ -764,7 +788,7 @@ inline void prefill_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0
         for (int64_t r = 0; r < nr; ++r) {
           float* srow = s + r * kKeyBlock;
           const int64_t s0 = span[2 * r], s1 = span[2 * r + 1];
-          for (int64_t j = s0; j < s1; ++j) srow[j] = a.softcap * std::tanh(srow[j]);
+          for (int64_t j = s0; j < s1; ++j) srow[j] = softcap2 * std::tanh(srow[j]);
           rmax[r] = row_max(srow, s0, s1);
         }
       softmax_up_to8(w, r0, dv, s, kKeyBlock, u0, u1, span, rmax, nr);
@@ -781,6 +805,7 @@ inline void prefill_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0
     }
     j0 = j1;
   }
+  for (int64_t r = 0; r < rows; ++r) w.m[r] *= kLn2;  // back to natural units for the log-sum-exp
   finish_tile(a, b, hk, hk + 1, i0, i1, w);
 }
 

@@ -85,10 +85,28 @@ def test_serve_cpu_bind_is_checked_before_loading() -> None:
 
 
 @linux_only
-def test_serve_binds_after_the_engine_and_reports_it() -> None:
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return kids
+
+
+def _affinities(pid: int) -> dict[int, set[int]]:
+    return {int(t): os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
+def test_serve_binds_after_the_engine_and_reports_it(engine_process: bool) -> None:
     """A real `flashpage serve --cpu-bind CORE` on the built-in model prints the binding once its
-    engine is built, then serves; its engine thread is on that core, while the HTTP front (the main
-    thread: event loop) keeps the process's cores, as vLLM's API server process does."""
+    engine is built, then serves. By default the engine process (every thread of it) is on that core; with
+    --no-engine-process the engine thread is. The HTTP front (the server's process, its event loop) keeps
+    the machine's cores, as vLLM's API server process does."""
     import signal
     import socket
     import time
@@ -98,8 +116,9 @@ def test_serve_binds_after_the_engine_and_reports_it() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    mode = [] if engine_process else ["--no-engine-process"]
     proc = subprocess.Popen([sys.executable, "-m", "flashpage.cli", "serve", "--port", str(port), "--cpu-bind",
-                             str(core), "--log-level", "warning"], stderr=subprocess.PIPE, text=True)
+                             str(core), "--log-level", "warning", *mode], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -110,13 +129,19 @@ def test_serve_binds_after_the_engine_and_reports_it() -> None:
                 time.sleep(0.5)
         else:
             raise AssertionError("flashpage serve did not start")
-        threads = {int(t): os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{proc.pid}/task")}
-        assert threads[proc.pid] == set(ct.usable_cores())  # the main thread: the event loop
-        assert {core} in threads.values()  # the engine thread
+        front = _affinities(proc.pid)
+        assert front[proc.pid] == set(ct.usable_cores())  # the main thread: the event loop
+        if engine_process:
+            assert set(map(frozenset, front.values())) == {frozenset(ct.usable_cores())}
+            (engine,) = _children(proc.pid)
+            assert set(map(frozenset, _affinities(engine).values())) == {frozenset({core})}
+        else:
+            assert {core} in front.values()  # the engine thread
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
-    assert f"flashpage serve: CPU 1 thread(s) bound to cores {core} (as asked): the engine thread" in err
+    what = "the engine process" if engine_process else "the engine thread"
+    assert f"CPU 1 thread(s) bound to cores {core} (as asked): {what}" in err
 
 
 @pytest.mark.parametrize(("vllm_env", "expected"), [(None, "0"), ("nobind", "none"), ("auto", "auto"), ("0-1", "0-1")])

@@ -85,6 +85,7 @@ def collect_info() -> dict[str, Any]:
         "kernels": kernels,
         "cpu_threads": _threads(),
         "cpu_attention": _cpu_attention(),
+        "cpu_malloc": _malloc(),
         "compiled_decode": _compiled_decode(),
     }
 
@@ -104,6 +105,16 @@ def _threads() -> dict[str, Any]:
     return {"torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "usable_cores": len(cores), "cores": format_cores(cores), "cpu_linears": linears,
             "eager_fastpath": _fastpath_label()}
+
+
+def _malloc() -> str:
+    """What an LLM on CPU does to glibc malloc here (flashpage/cpu_memory.py); an unknown FLASHPAGE_MALLOC is said."""
+    from flashpage.cpu_memory import malloc_plan
+
+    try:
+        return malloc_plan().describe()
+    except ValueError as exc:
+        return str(exc)
 
 
 def _fastpath_label() -> str:
@@ -157,6 +168,7 @@ def format_info(info: dict[str, Any]) -> str:
              "float32 linears in LLM: {cpu_linears}".format(**info["cpu_threads"]),
              "LLM eager steps: " + info["cpu_threads"]["eager_fastpath"],
              _cpu_attention_line(info["cpu_attention"]),
+             "CPU malloc: " + info["cpu_malloc"],
              "LLM compiled decode steps by default: " + ", ".join(
                  f"{k}={_compile_label(k, v)}" for k, v in info["compiled_decode"].items()),
              "kernels:"]

@@ -37,6 +37,7 @@ import torch
 
 from flashpage.bench.engine import MAX_BATCHED_TOKENS, _pool_blocks, _warm_prompts, make_workload, run_flashpage
 from flashpage.bench.models import load_average, load_bench_model
+from flashpage.cpu_memory import malloc_plan
 from flashpage.cpu_threads import bound_cpu_threads
 from flashpage.errors import FlashpageError
 
@@ -238,6 +239,7 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
         "flashpage_compile": compile, "flashpage_warmup_s": fp_warmups,
         "flashpage_recompiles_after_warmup": fp_recompiles,
         "flashpage_rounds": [{"wall_s": w, **u} for w, u in zip(fp_seconds, fp_usage, strict=True)],
+        "flashpage_malloc": malloc_plan().describe(),  # what its LLM set (cpu_memory.py): faults per round depend on it
         "load_average_1m": load_average(),
         "timing_note": "alternating runs in one session; generate() call only, load and warm-up excluded",
     }
@@ -290,6 +292,7 @@ def format_report(result: dict[str, Any]) -> str:
            if result.get("flashpage_compile") else ""),
         f"output tok/s per round, flashpage / vLLM (ratio): {runs}",
         *([_rounds_line(result["flashpage_rounds"])] if result.get("flashpage_rounds") else []),
+        *([f"flashpage malloc: {result['flashpage_malloc']}"] if result.get("flashpage_malloc") else []),
         f"flashpage.LLM  best {fp['best_tok_s']:.1f}, median {fp['median_tok_s']:.1f} tok/s",
         f"vLLM           best {vl['best_tok_s']:.1f}, median {vl['median_tok_s']:.1f} tok/s",
         f"flashpage / vLLM: {result['ratio_median']:.2f}x (median of pairs); goal >= 1.0x: "

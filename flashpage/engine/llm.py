@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from flashpage.cache import KVGroup, PagedKVCache, default_block_size
+from flashpage.cpu_memory import tune_malloc
 from flashpage.engine import prompt_logprobs
 from flashpage.engine.compiled import CompiledDecode, CompiledStep, default_compile
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
@@ -167,6 +168,8 @@ class LLM:
                     f"exactly: its attention does not run on the pages ({family.note}). Use flashpage.patch(model) "
                     "with model.generate() instead.")
             self.device = next(self.model.parameters()).device
+            if self.device.type == "cpu":  # a step's temporaries stay in the heap between steps (cpu_memory.py)
+                tune_malloc()
             config = self.model.config.get_text_config(decoder=True)
             self.vocab_size = int(config.vocab_size)
             self._states: StateSlots | None = recurrent_states_of(self.model, self._new_cache())

@@ -1,0 +1,215 @@
+"""glibc malloc settings for CPU engine steps: a step's large temporaries stay in the heap between steps.
+
+A CPU step allocates and frees the same large tensors every time (activations ``[T, hidden]``, the fused
+gate/up output ``[T, 2 * intermediate]``, attention scratch, logits rows): torch's CPU allocator takes
+them from ``malloc`` and gives them back with ``free``. glibc serves a request of at least
+``M_MMAP_THRESHOLD`` bytes (128 KiB at start; each freed mapping raises it to that mapping's size, up
+to 32 MiB) with its own ``mmap`` and ``munmap``s it on ``free``, and gives the heap's free top back to
+the OS once it exceeds ``M_TRIM_THRESHOLD`` (twice the mmap threshold). Each step then faults its
+temporaries in again, a 4 KiB page at a time, the kernel zeroing every page: on the built-in model a
+2048-token prefill step took 5-12 thousand minor faults, every round of ``bench engine`` 13-43
+thousand (README, Benchmarks). On a VM that reports freed pages to its host a fault also costs the
+host's work.
+
+:func:`tune_malloc` sets, once per process (``LLM`` calls it when it runs on CPU):
+
+- ``M_MMAP_THRESHOLD`` = 32 MiB (the largest glibc accepts; a set value also stops the adaptation):
+  requests below it come from the heap, whose freed chunks the next step reuses without faults;
+  larger ones (a big model's KV pool, a 7B model's MLP output at 2048 tokens) are still mapped.
+- ``M_TRIM_THRESHOLD`` = 1 GiB: the heap keeps up to that much free memory at its top instead of
+  returning it after every step. The cost: the process keeps what its largest step needed
+  (tens of MiB for the bench models) between steps, as jemalloc / tcmalloc (which vLLM's CPU
+  backend preloads when it ships one) keep theirs.
+
+``FLASHPAGE_MALLOC=system`` leaves malloc alone. So does a malloc setting already in the environment
+(``MALLOC_*_`` variables, ``glibc.malloc`` tunables) and a preloaded malloc (``LD_PRELOAD`` naming
+jemalloc, tcmalloc or mimalloc). Elsewhere than glibc (musl, macOS, Windows) it does nothing and says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+ENV = "FLASHPAGE_MALLOC"
+CHOICES = ("tuned", "system")  # tuned: the settings below when an LLM runs on CPU (default); system: glibc's own
+MALLOC_ENVS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
+               "MALLOC_ARENA_MAX")
+PRELOADED_MALLOCS = ("jemalloc", "tcmalloc", "mimalloc")
+
+
+@dataclass(frozen=True)
+class MallocSetting:
+    """One ``mallopt(param, value)`` call."""
+
+    name: str
+    param: int  # glibc's malloc.h constant
+    value: int  # bytes
+
+
+SETTINGS = (MallocSetting("M_MMAP_THRESHOLD", -3, 32 << 20), MallocSetting("M_TRIM_THRESHOLD", -1, 1 << 30))
+
+
+@dataclass(frozen=True)
+class MallocTuning:
+    """What :func:`tune_malloc` did (``applied``) or would do (:func:`malloc_plan`), and why.
+
+    ``settings``: the settings glibc accepted (empty when nothing was set); ``refused``: those it
+    returned 0 for."""
+
+    applied: bool
+    reason: str
+    glibc: str | None  # glibc's version, None elsewhere
+    settings: tuple[MallocSetting, ...] = ()
+    refused: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if not self.settings:
+            return f"glibc malloc left alone ({self.reason})"
+        what = ", ".join(f"{s.name}={_size(s.value)}" for s in self.settings)
+        refused = f"; glibc refused {', '.join(self.refused)}" if self.refused else ""
+        verb = "set" if self.applied else "an LLM on CPU sets"
+        return f"glibc {self.glibc}: {verb} {what}{refused} ({self.reason}; {ENV}=system leaves malloc alone)"
+
+
+@dataclass(frozen=True)
+class MallocProbe:
+    """What glibc did with one ``malloc(nbytes)`` / ``free``, read from ``mallinfo2()``."""
+
+    nbytes: int
+    mapped: bool  # served by its own mmap (mallinfo2 hblkhd grew by nbytes)
+    kept: bool  # from the heap, and the heap did not shrink on free (not trimmed back to the OS)
+
+
+_lock = threading.Lock()
+_done: MallocTuning | None = None
+
+
+def _size(n: int) -> str:
+    return f"{n >> 30} GiB" if n >= 1 << 30 and not n % (1 << 30) else f"{n >> 20} MiB"
+
+
+def _libc() -> Any | None:
+    """The C library as ctypes sees it, when it is glibc (it has ``gnu_get_libc_version``); else None."""
+    try:
+        libc = ctypes.CDLL(None)
+        version = libc.gnu_get_libc_version
+    except (OSError, AttributeError, TypeError):  # Windows has no CDLL(None); musl / macOS lack the symbol
+        return None
+    version.restype = ctypes.c_char_p
+    return libc
+
+
+def glibc_version() -> str | None:
+    """glibc's version string (``"2.36"``), None when this process's C library is not glibc."""
+    libc = _libc()
+    return None if libc is None else libc.gnu_get_libc_version().decode()
+
+
+def choice() -> str:
+    """``FLASHPAGE_MALLOC`` (``tuned`` when unset); ValueError naming the choices for anything else."""
+    value = os.environ.get(ENV, "").strip().lower() or "tuned"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected one of {', '.join(CHOICES)} (tuned: the default, "
+                         "malloc keeps a CPU step's temporaries between steps; system: glibc's own settings)")
+    return value
+
+
+def _left_alone_reason() -> str | None:
+    """Why the environment rules malloc out of tuning, or None."""
+    if choice() == "system":
+        return f"{ENV}=system"
+    preload = os.environ.get("LD_PRELOAD", "")
+    named = [m for m in PRELOADED_MALLOCS if m in preload]
+    if named:
+        return f"LD_PRELOAD replaces malloc ({named[0]})"
+    set_envs = [e for e in MALLOC_ENVS if e in os.environ]
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        set_envs.append("GLIBC_TUNABLES")
+    if set_envs:
+        return f"the environment sets malloc: {', '.join(set_envs)}"
+    return None
+
+
+def malloc_plan() -> MallocTuning:
+    """What :func:`tune_malloc` would do in this process now (nothing is set), for ``flashpage info``."""
+    if _done is not None:
+        return _done
+    version = glibc_version()
+    if version is None:
+        return MallocTuning(False, "not glibc: nothing to set", None)
+    reason = _left_alone_reason()
+    if reason is not None:
+        return MallocTuning(False, reason, version)
+    return MallocTuning(False, "not set yet in this process", version, SETTINGS)
+
+
+def tune_malloc() -> MallocTuning:
+    """Apply :data:`SETTINGS` with ``mallopt`` once per process (later calls return the first call's
+    result); nothing where the module docstring says so. ValueError for an unknown ``FLASHPAGE_MALLOC``."""
+    global _done
+    with _lock:
+        if _done is not None:
+            return _done
+        libc = _libc()
+        if libc is None:
+            _done = MallocTuning(False, "not glibc: nothing to set", None)
+            return _done
+        version = libc.gnu_get_libc_version().decode()
+        reason = _left_alone_reason()
+        if reason is not None:
+            _done = MallocTuning(False, reason, version)
+            return _done
+        libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+        libc.mallopt.restype = ctypes.c_int
+        accepted = tuple(s for s in SETTINGS if libc.mallopt(s.param, s.value) == 1)
+        refused = tuple(s.name for s in SETTINGS if s not in accepted)
+        _done = MallocTuning(bool(accepted), "an LLM runs on CPU", version, accepted, refused)
+        return _done
+
+
+def malloc_tuning() -> MallocTuning | None:
+    """What :func:`tune_malloc` did in this process; None before its first call."""
+    return _done
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def mallinfo2() -> dict[str, int] | None:
+    """glibc's ``mallinfo2()`` (main arena: heap bytes, mmapped bytes ``hblkhd``, free bytes ``fordblks``...),
+    None without glibc >= 2.33."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _Mallinfo2
+    info = libc.mallinfo2()
+    return {name: int(getattr(info, name)) for name, _ in _Mallinfo2._fields_}
+
+
+def probe(nbytes: int = 16 << 20) -> MallocProbe | None:
+    """``malloc(nbytes)`` then ``free``: whether glibc mapped it and whether the heap kept it after ``free``.
+    Defaults (fresh process, 16 MiB): mapped, not kept; tuned: from the heap, kept. None without mallinfo2."""
+    libc = _libc()
+    if mallinfo2() is None:
+        return None
+    assert libc is not None
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = (ctypes.c_size_t,)
+    libc.free.argtypes = (ctypes.c_void_p,)
+    before = mallinfo2()
+    ptr = libc.malloc(nbytes)
+    if not ptr:
+        raise MemoryError(f"malloc({nbytes}) failed")
+    during = mallinfo2()
+    libc.free(ptr)
+    after = mallinfo2()
+    assert before is not None and during is not None and after is not None
+    mapped = during["hblkhd"] - before["hblkhd"] >= nbytes
+    kept = not mapped and after["arena"] >= during["arena"] and after["fordblks"] >= nbytes
+    return MallocProbe(nbytes, mapped, kept)

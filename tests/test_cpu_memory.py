@@ -1,0 +1,158 @@
+"""glibc malloc settings for CPU engine steps (flashpage/cpu_memory.py).
+
+The settings are process-wide and cannot be undone, so whether they took is checked in fresh
+interpreters, by what glibc then does with one 16 MiB ``malloc`` / ``free`` (``mallinfo2``): with
+glibc's defaults it is mapped (and unmapped on free); tuned, it comes from the heap and stays there.
+In this process, ``tune_malloc`` runs against a stand-in C library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flashpage import cpu_memory as cm
+
+ROOT = Path(__file__).resolve().parents[1]
+glibc_only = pytest.mark.skipif(cm.mallinfo2() is None, reason="needs glibc >= 2.33 (mallinfo2)")
+CLEARED = (cm.ENV, "LD_PRELOAD", "GLIBC_TUNABLES", *cm.MALLOC_ENVS)
+
+PROBE = """
+import json
+from flashpage import cpu_memory as cm
+tuning = cm.tune_malloc()
+p = cm.probe()
+print(json.dumps({"applied": tuning.applied, "reason": tuning.reason, "mapped": p.mapped, "kept": p.kept,
+                  "again": cm.tune_malloc() is tuning}))
+"""
+
+LLM_ON_CPU = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from engine_helpers import engine_model
+from flashpage import LLM
+from flashpage import cpu_memory as cm
+assert cm.malloc_tuning() is None
+LLM(engine_model(), num_blocks=8, block_size=16)
+p = cm.probe()
+print(json.dumps({{"applied": cm.malloc_tuning().applied, "reason": cm.malloc_tuning().reason, "kept": p.kept}}))
+"""
+
+
+def _fresh(code: str, **env: str) -> dict[str, Any]:
+    """Run ``code`` in a new interpreter with a malloc-neutral environment plus ``env``; its JSON line."""
+    base = {k: v for k, v in os.environ.items() if k not in CLEARED}
+    base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                         timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@glibc_only
+def test_tuned_by_default_a_step_sized_block_stays_in_the_heap() -> None:
+    r = _fresh(PROBE)
+    assert r["applied"] and r["again"]
+    assert not r["mapped"] and r["kept"]
+
+
+@glibc_only
+@pytest.mark.parametrize("env", [{cm.ENV: "system"}, {"MALLOC_TRIM_THRESHOLD_": "131072"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}])
+def test_opted_out_or_set_by_the_environment_glibc_keeps_its_own(env: dict[str, str]) -> None:
+    r = _fresh(PROBE, **env)
+    assert not r["applied"] and r["mapped"] and not r["kept"]
+    assert next(iter(env)) in r["reason"]
+
+
+@glibc_only
+def test_an_llm_on_cpu_applies_it() -> None:
+    r = _fresh(LLM_ON_CPU.format(tests=str(ROOT / "tests")))  # opting out: the tests above and below
+    assert r["applied"] and r["kept"] and r["reason"] == "an LLM runs on CPU"
+
+
+class FakeMallopt:
+    """``mallopt`` of :class:`FakeLibc`: records its calls (ctypes attributes can be set on it)."""
+
+    def __init__(self, refuse: tuple[int, ...]) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.refuse = refuse
+        self.argtypes: Any = None
+        self.restype: Any = None
+
+    def __call__(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return 0 if param in self.refuse else 1
+
+
+class FakeLibc:
+    """A glibc stand-in that refuses the ``mallopt`` params in ``refuse``."""
+
+    def __init__(self, refuse: tuple[int, ...] = ()) -> None:
+        self.mallopt = FakeMallopt(refuse)
+
+    @property
+    def calls(self) -> list[tuple[int, int]]:
+        return self.mallopt.calls
+
+    @staticmethod
+    def gnu_get_libc_version() -> bytes:
+        return b"2.99"
+
+
+@pytest.fixture
+def fresh_state(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    monkeypatch.setattr(cm, "_done", None)  # restored afterwards: this process's real state
+    for name in CLEARED:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_applied_once_per_process_and_refusals_are_reported(fresh_state: pytest.MonkeyPatch) -> None:
+    libc = FakeLibc(refuse=(-1,))
+    fresh_state.setattr(cm, "_libc", lambda: libc)
+    first = cm.tune_malloc()
+    assert cm.tune_malloc() is first and cm.malloc_tuning() is first and cm.malloc_plan() is first
+    assert libc.calls == [(s.param, s.value) for s in cm.SETTINGS]  # once, not twice
+    assert first.applied and [s.name for s in first.settings] == ["M_MMAP_THRESHOLD"]
+    assert first.refused == ("M_TRIM_THRESHOLD",) and "refused M_TRIM_THRESHOLD" in first.describe()
+
+
+def test_not_glibc_is_a_no_op(fresh_state: pytest.MonkeyPatch) -> None:
+    fresh_state.setattr(cm, "_libc", lambda: None)
+    assert cm.glibc_version() is None and cm.mallinfo2() is None and cm.probe() is None
+    plan = cm.malloc_plan()
+    assert not plan.applied and not plan.settings and "not glibc" in plan.describe()
+    done = cm.tune_malloc()
+    assert not done.applied and not done.settings and done.glibc is None and "not glibc" in done.reason
+
+
+@pytest.mark.parametrize(("env", "why"), [({cm.ENV: "system"}, "FLASHPAGE_MALLOC=system"),
+                                          ({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}, "jemalloc"),
+                                          ({"MALLOC_ARENA_MAX": "2"}, "MALLOC_ARENA_MAX")])
+def test_left_alone_never_calls_mallopt(fresh_state: pytest.MonkeyPatch, env: dict[str, str], why: str) -> None:
+    libc = FakeLibc()
+    fresh_state.setattr(cm, "_libc", lambda: libc)
+    for k, v in env.items():
+        fresh_state.setenv(k, v)
+    done = cm.tune_malloc()
+    assert not done.applied and why in done.reason and libc.calls == []
+
+
+def test_an_unknown_choice_is_refused_and_info_says_so(fresh_state: pytest.MonkeyPatch) -> None:
+    from flashpage.info import collect_info, format_info
+
+    fresh_state.setattr(cm, "_libc", lambda: FakeLibc())
+    fresh_state.setenv(cm.ENV, "jemalloc")
+    with pytest.raises(ValueError, match="FLASHPAGE_MALLOC='jemalloc': expected one of tuned, system"):
+        cm.tune_malloc()
+    assert "expected one of tuned, system" in collect_info()["cpu_malloc"]
+    fresh_state.delenv(cm.ENV)
+    info = collect_info()
+    assert "M_MMAP_THRESHOLD=32 MiB, M_TRIM_THRESHOLD=1 GiB" in info["cpu_malloc"]
+    assert "CPU malloc: glibc 2.99: an LLM on CPU sets" in format_info(info)

@@ -166,6 +166,7 @@ def test_server_cpu_seconds_count_every_process_of_its_group():
         while serve_bench.group_cpu_seconds(group) < 0.4 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert 0.4 <= serve_bench.group_cpu_seconds(group) < 10  # the spinner, the server and the child starting
+        assert 0.5 <= serve_bench.wait_quiet(url, timeout=10) < 10  # the spinner sleeps now: one quiet window
     assert url not in serve_bench.SERVER_GROUPS
     assert serve_bench.group_cpu_seconds(None) is None
 

@@ -196,6 +196,24 @@ def group_cpu_seconds(pgid: int | None) -> float | None:
     return total / ticks
 
 
+def wait_quiet(url: str, timeout: float = 20.0, window: float = 0.5, share: float = 0.05) -> float:
+    """Wait until the server at ``url`` (one ``started_server`` runs) uses under ``share`` of a core over
+    ``window`` seconds, at most ``timeout`` seconds; returns the seconds waited. vLLM's processes keep
+    spinning for about a second after a burst (measured: 1.0 CPU s in the 5 s after a rate-inf run, 0.08
+    later), on the core its worker is bound to: the next server's run must not start under that."""
+    group = SERVER_GROUPS.get(url)
+    start = time.monotonic()
+    if group is None:
+        return 0.0
+    while time.monotonic() - start < timeout:
+        before = group_cpu_seconds(group)
+        time.sleep(window)
+        after = group_cpu_seconds(group)
+        if before is None or after is None or after - before < share * window:
+            break
+    return time.monotonic() - start
+
+
 @contextmanager
 def started_server(cmd: list[str], port: int, env: dict[str, str] | None = None, timeout: float = STARTUP_TIMEOUT,
                    replace_env: bool = False) -> Iterator[str]:

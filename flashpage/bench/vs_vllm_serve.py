@@ -18,7 +18,9 @@ The client is ``flashpage bench serve``'s: streamed ``/v1/completions``, greedy,
 rate. Both servers are started once and wait for ``/health``, and each serves the whole workload once
 untimed (all at once: every batch size's first-use costs, e.g. vLLM's compiled sizes, fall there, not
 in round 1); then, for every round and every rate,
-the same requests go to flashpage and then to vLLM (alternating). The report gives each run's output
+the same requests go to flashpage and then to vLLM (alternating); after each run the bench waits until
+that server's processes are quiet (under 5% of a core for 0.5 s, at most 20 s: vLLM's spin for about a
+second after a burst, on the core both engines are bound to). The report gives each run's output
 tokens/s, TTFT p50, TPOT p50 and E2E p50 (and the client's CPU seconds), the medians, the flashpage /
 vLLM ratios, and whether the greedy texts are identical request by request. Both servers are stopped
 (their whole process groups) at the end, also on error or Ctrl-C.
@@ -144,7 +146,8 @@ def summarize_rate(rate: float, fp_rows: list[dict[str, Any]], vl_rows: list[dic
     out: dict[str, Any] = {"rate": serve_bench._rate(rate), "identical_requests": same, "requests": len(fp_texts),
                            "differing_requests": differ[:10]}
     for label, rows in (("flashpage", fp_rows), ("vllm", vl_rows)):
-        out[label] = {"runs": rows, **{k: _median(rows, k) for k in (*MEASURES, "client_cpu_s", "server_cpu_s")},
+        out[label] = {"runs": rows, **{k: _median(rows, k) for k in (*MEASURES, "client_cpu_s", "server_cpu_s",
+                                                                     "settle_s")},
                       "failed": sum(r["failed"] for r in rows)}
     out["ratios"] = {k: _ratio(out["flashpage"][k], out["vllm"][k]) for k in MEASURES}
     return out
@@ -180,11 +183,13 @@ def run(vllm_python: str | None, model: str | None = None, rates: list[float] | 
                                        replace_env=True) as vl_url:
         for url, label in ((fp_url, "flashpage"), (vl_url, "vLLM")):  # untimed: first-use costs of every batch size
             serve_bench.bench_server(url, SERVED_NAME, prompts, [math.inf], max_tokens, seed, f"warm-up {label}")
+            serve_bench.wait_quiet(url)
         for r in range(rounds):
             for k, rate in enumerate(rates):
                 for url, label, slot in ((fp_url, "flashpage", 0), (vl_url, "vLLM", 1)):
                     rows, texts = serve_bench.bench_server(url, SERVED_NAME, prompts, [rate], max_tokens,
                                                            seed + k, f"round {r + 1}/{rounds} {label}")
+                    rows[0]["settle_s"] = round(serve_bench.wait_quiet(url), 2)  # before the other server's run
                     per_rate[k][slot].append(rows[0])
                     per_rate[k][slot + 2][:] = texts[0]
     summaries = [summarize_rate(rate, *runs) for rate, runs in zip(rates, per_rate, strict=True)]
@@ -210,21 +215,23 @@ def format_report(result: dict[str, Any]) -> str:
              f"{result['rounds']} alternating round(s), medians; load average {result['load_average_1m']}",
              http_note(result.get("flashpage_http", http_stack())), ""]
     head = (f"{'rate':>5} {'server':<10} {'tok/s':>8} {'TTFT p50':>9} {'TPOT p50':>9} {'E2E p50':>9} "
-            f"{'server s':>8} {'client s':>8} {'failed':>6}  {'identical':>9}")
+            f"{'server s':>8} {'client s':>8} {'quiet s':>7} {'failed':>6}  {'identical':>9}")
     lines += [head, "-" * len(head)]
     for row in result["rates"]:
         for label in ("flashpage", "vllm"):
             m = row[label]
             lines.append(f"{row['rate']!s:>5} {label:<10} {_num(m['output_tokens_per_s'])} "
                          f"{_num(m['ttft_p50_ms'], 9)} {_num(m['tpot_p50_ms'], 9)} {_num(m.get('e2e_p50_ms'), 9)} "
-                         f"{_num(m.get('server_cpu_s'), 8, 2)} {_num(m.get('client_cpu_s'), 8, 2)} {m['failed']:>6}")
+                         f"{_num(m.get('server_cpu_s'), 8, 2)} {_num(m.get('client_cpu_s'), 8, 2)} "
+                         f"{_num(m.get('settle_s'), 7, 2)} {m['failed']:>6}")
         q = row["ratios"]
         lines.append(f"{row['rate']!s:>5} {'fp / vLLM':<10} {_x(q['output_tokens_per_s'])} "
                      f"{_x(q['ttft_p50_ms'], 9)} {_x(q['tpot_p50_ms'], 9)} {_x(q.get('e2e_p50_ms'), 9)} "
-                     f"{'':>8} {'':>8} {'':>6}  {row['identical_requests']}/{row['requests']}")
+                     f"{'':>8} {'':>8} {'':>7} {'':>6}  {row['identical_requests']}/{row['requests']}")
     lines += ["", "(tok/s: output tokens/s; TTFT, TPOT, E2E (a request's send to its last chunk) in ms, measured by "
               "the client; server s / client s: CPU seconds per run of the server's processes (all of them: front, "
-              "engine, workers) and of the client (they share the machine); ratios flashpage / "
+              "engine, workers) and of the client (they share the machine); quiet s: how long the server kept "
+              "using CPU after its run (the other server's run waited for it); ratios flashpage / "
               "vLLM: above 1 is better for tok/s, below 1 is better for the latencies. A server that streams a "
               "request's tokens in one burst shows a TPOT near 0: compare E2E there)",
               f"greedy outputs identical: {result['outputs_agree']}"]

@@ -568,9 +568,10 @@ class EngineProcess:
         with self._lock:
             pending, self._open = self._open, {}
             self._unacked = 0
+        wakeups = _Wakeups()  # its own: close() may run this while the reader thread still delivers
         for req in pending.values():
-            self._wakeups.put(req.stream, _Failed(error))
-        self._wakeups.flush()
+            wakeups.put(req.stream, _Failed(error))
+        wakeups.flush()
 
     def _join(self, timeout: float) -> int | None:
         try:
@@ -582,5 +583,4 @@ class EngineProcess:
     def _kill(self) -> None:
         if self._proc.poll() is None:
             log.warning("the engine process did not stop; killing it")
-            self._proc.kill()
-            self._proc.wait(5.0)
+            _kill_at_exit(self._proc)

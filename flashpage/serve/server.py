@@ -162,10 +162,11 @@ def run_server(options: ServeOptions, engine: AsyncLLM | None = None) -> int:
     parallel rank 0, see :mod:`flashpage.serve.tp`); default: built from ``options``."""
     template = read_chat_template(options.chat_template)
     built = engine if engine is not None else build_engine(options)
-    try:  # whatever happens from here on, the engine (thread or process) is stopped before returning
-        return _serve(options, built, template)
-    finally:
+    try:
+        return _serve(options, built, template)  # closes the engine once uvicorn has stopped
+    except BaseException:  # failed before that (e.g. building the app): the engine (thread or process) stops too
         built.close(drain_timeout=0.0)
+        raise
 
 
 def _serve(options: ServeOptions, engine: AsyncLLM | EngineProcess, template: str | None) -> int:

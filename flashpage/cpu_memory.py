@@ -134,17 +134,21 @@ def _left_alone_reason() -> str | None:
     return None
 
 
+def _left_alone(version: str | None) -> MallocTuning | None:
+    """The outcome for a process whose malloc is not to be tuned (not glibc, or the environment says so);
+    None when :data:`SETTINGS` apply."""
+    if version is None:
+        return MallocTuning(False, "not glibc: nothing to set", None)
+    reason = _left_alone_reason()
+    return None if reason is None else MallocTuning(False, reason, version)
+
+
 def malloc_plan() -> MallocTuning:
     """What :func:`tune_malloc` would do in this process now (nothing is set), for ``flashpage info``."""
     if _done is not None:
         return _done
     version = glibc_version()
-    if version is None:
-        return MallocTuning(False, "not glibc: nothing to set", None)
-    reason = _left_alone_reason()
-    if reason is not None:
-        return MallocTuning(False, reason, version)
-    return MallocTuning(False, "not set yet in this process", version, SETTINGS)
+    return _left_alone(version) or MallocTuning(False, "not set yet in this process", version, SETTINGS)
 
 
 def tune_malloc() -> MallocTuning:
@@ -155,14 +159,12 @@ def tune_malloc() -> MallocTuning:
         if _done is not None:
             return _done
         libc = _libc()
-        if libc is None:
-            _done = MallocTuning(False, "not glibc: nothing to set", None)
+        version = None if libc is None else libc.gnu_get_libc_version().decode()
+        left = _left_alone(version)
+        if left is not None:
+            _done = left
             return _done
-        version = libc.gnu_get_libc_version().decode()
-        reason = _left_alone_reason()
-        if reason is not None:
-            _done = MallocTuning(False, reason, version)
-            return _done
+        assert libc is not None
         libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
         libc.mallopt.restype = ctypes.c_int
         accepted = tuple(s for s in SETTINGS if libc.mallopt(s.param, s.value) == 1)

@@ -420,20 +420,35 @@ inline QkFn qk_for(int64_t d) {
   }
 }
 
-// o[r] (R rows at stride ldo, NV vectors from column x, the last one masked) += sum_j p[r][j] v_j for
-// j in [j0, j1): rows of p at stride ldp, value j at v + j * vs.
+// The value rows P.V reads: row j at v + j * vs (one page), or behind row pointers (a key block across
+// pages); at(x): the same rows from column x on.
+struct StridedRows {
+  const float* v;
+  int64_t vs;
+  const float* operator[](int64_t j) const { return v + j * vs; }
+  StridedRows at(int64_t x) const { return {v + x, vs}; }
+};
+struct PointedRows {
+  const float* const* vrow;
+  int64_t x;
+  const float* operator[](int64_t j) const { return vrow[j] + x; }
+  PointedRows at(int64_t dx) const { return {vrow, x + dx}; }
+};
+
+// o[r] (R rows at stride ldo, NV vectors, the last one masked) += sum_j p[r][j] v[j] for j in [j0, j1):
+// rows of p at stride ldp.
 // Always inlined: out of line, GCC 12 stores the accumulators to the stack on every key.
-template <int R, int NV>
-__attribute__((always_inline)) inline void pv_block(float* o, int64_t ldo, const float* p, int64_t ldp, const float* v,
-                                                    int64_t vs, int64_t j0, int64_t j1, __mmask16 tail) {
+template <int R, int NV, class Rows>
+__attribute__((always_inline)) inline void pv_block(float* o, int64_t ldo, const float* p, int64_t ldp, Rows v,
+                                                    int64_t j0, int64_t j1, __mmask16 tail) {
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NV; ++c)
       acc[r][c] = _mm512_maskz_loadu_ps(c == NV - 1 ? tail : __mmask16(0xFFFF), o + r * ldo + 16 * c);
   for (int64_t j = j0; j < j1; ++j) {
+    const float* vj = v[j];
     __m512 vv[NV];
-    for (int c = 0; c < NV; ++c)
-      vv[c] = _mm512_maskz_loadu_ps(c == NV - 1 ? tail : __mmask16(0xFFFF), v + j * vs + 16 * c);
+    for (int c = 0; c < NV; ++c) vv[c] = _mm512_maskz_loadu_ps(c == NV - 1 ? tail : __mmask16(0xFFFF), vj + 16 * c);
     for (int r = 0; r < R; ++r) {
       const __m512 pb = _mm512_set1_ps(p[r * ldp + j]);
       for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
@@ -444,16 +459,17 @@ __attribute__((always_inline)) inline void pv_block(float* o, int64_t ldo, const
       _mm512_mask_storeu_ps(o + r * ldo + 16 * c, c == NV - 1 ? tail : __mmask16(0xFFFF), acc[r][c]);
 }
 
-template <int R>
-void pv_rows(float* o, int64_t dv, const float* p, int64_t ldp, const float* v, int64_t vs, int64_t j0, int64_t j1) {
+// R rows' accumulators (o, stride dv) += P (rows at stride ldp) . V over keys [j0, j1), 64 columns at a time.
+template <int R, class Rows>
+void pv_rows(float* o, int64_t dv, const float* p, int64_t ldp, Rows v, int64_t j0, int64_t j1) {
   for (int64_t x = 0; x < dv; x += 64) {
     const int64_t width = std::min<int64_t>(64, dv - x);
     const __mmask16 tail = lanes(width - 16 * ((width - 1) / 16));
     switch ((width + 15) / 16) {
-      case 1: pv_block<R, 1>(o + x, dv, p, ldp, v + x, vs, j0, j1, tail); break;
-      case 2: pv_block<R, 2>(o + x, dv, p, ldp, v + x, vs, j0, j1, tail); break;
-      case 3: pv_block<R, 3>(o + x, dv, p, ldp, v + x, vs, j0, j1, tail); break;
-      default: pv_block<R, 4>(o + x, dv, p, ldp, v + x, vs, j0, j1, tail); break;
+      case 1: pv_block<R, 1>(o + x, dv, p, ldp, v.at(x), j0, j1, tail); break;
+      case 2: pv_block<R, 2>(o + x, dv, p, ldp, v.at(x), j0, j1, tail); break;
+      case 3: pv_block<R, 3>(o + x, dv, p, ldp, v.at(x), j0, j1, tail); break;
+      default: pv_block<R, 4>(o + x, dv, p, ldp, v.at(x), j0, j1, tail); break;
     }
   }
 }
@@ -481,11 +497,11 @@ inline void union_span(const int64_t* span, float* s, int64_t n, int64_t r0, int
 inline void pv_up_to4(float* o, int64_t dv, const float* p, int64_t ldp, const float* v, int64_t vs, int64_t j0,
                       int64_t j1, int64_t nr) {
   switch (nr) {
-    case 4: pv_rows<4>(o, dv, p, ldp, v, vs, j0, j1); break;
-    case 3: pv_rows<2>(o, dv, p, ldp, v, vs, j0, j1);
-            pv_rows<1>(o + 2 * dv, dv, p + 2 * ldp, ldp, v, vs, j0, j1); break;
-    case 2: pv_rows<2>(o, dv, p, ldp, v, vs, j0, j1); break;
-    default: pv_rows<1>(o, dv, p, ldp, v, vs, j0, j1); break;
+    case 4: pv_rows<4>(o, dv, p, ldp, StridedRows{v, vs}, j0, j1); break;
+    case 3: pv_rows<2>(o, dv, p, ldp, StridedRows{v, vs}, j0, j1);
+            pv_rows<1>(o + 2 * dv, dv, p + 2 * ldp, ldp, StridedRows{v, vs}, j0, j1); break;
+    case 2: pv_rows<2>(o, dv, p, ldp, StridedRows{v, vs}, j0, j1); break;
+    default: pv_rows<1>(o, dv, p, ldp, StridedRows{v, vs}, j0, j1); break;
   }
 }
 
@@ -625,51 +641,13 @@ inline void transpose_keys(const float* const* krow, int64_t n, int64_t d, float
   }
 }
 
-// pv_block with the values behind row pointers: o[r] += sum_j p[r][j] vrow[j][x ..] for j in [j0, j1).
-template <int R, int NV>
-__attribute__((always_inline)) inline void pv_block_rows(float* o, int64_t ldo, const float* p, int64_t ldp,
-                                                         const float* const* vrow, int64_t x, int64_t j0, int64_t j1,
-                                                         __mmask16 tail) {
-  __m512 acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c)
-      acc[r][c] = _mm512_maskz_loadu_ps(c == NV - 1 ? tail : __mmask16(0xFFFF), o + r * ldo + 16 * c);
-  for (int64_t j = j0; j < j1; ++j) {
-    const float* v = vrow[j] + x;
-    __m512 vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = _mm512_maskz_loadu_ps(c == NV - 1 ? tail : __mmask16(0xFFFF), v + 16 * c);
-    for (int r = 0; r < R; ++r) {
-      const __m512 pb = _mm512_set1_ps(p[r * ldp + j]);
-      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c)
-      _mm512_mask_storeu_ps(o + r * ldo + 16 * c, c == NV - 1 ? tail : __mmask16(0xFFFF), acc[r][c]);
-}
-
-// R rows' accumulators (o, stride dv) += P (rows at stride ldp) . V over keys [j0, j1), 64 columns at a time.
-template <int R>
-void pv_rows_ptr(float* o, int64_t dv, const float* p, int64_t ldp, const float* const* vrow, int64_t j0, int64_t j1) {
-  for (int64_t x = 0; x < dv; x += 64) {
-    const int64_t width = std::min<int64_t>(64, dv - x);
-    const __mmask16 tail = lanes(width - 16 * ((width - 1) / 16));
-    switch ((width + 15) / 16) {
-      case 1: pv_block_rows<R, 1>(o + x, dv, p, ldp, vrow, x, j0, j1, tail); break;
-      case 2: pv_block_rows<R, 2>(o + x, dv, p, ldp, vrow, x, j0, j1, tail); break;
-      case 3: pv_block_rows<R, 3>(o + x, dv, p, ldp, vrow, x, j0, j1, tail); break;
-      default: pv_block_rows<R, 4>(o + x, dv, p, ldp, vrow, x, j0, j1, tail); break;
-    }
-  }
-}
-
 inline void pv_ptr_up_to4(float* o, int64_t dv, const float* p, int64_t ldp, const float* const* vrow, int64_t j0,
                           int64_t j1, int64_t nr) {
   switch (nr) {
-    case 4: pv_rows_ptr<4>(o, dv, p, ldp, vrow, j0, j1); break;
-    case 3: pv_rows_ptr<3>(o, dv, p, ldp, vrow, j0, j1); break;
-    case 2: pv_rows_ptr<2>(o, dv, p, ldp, vrow, j0, j1); break;
-    default: pv_rows_ptr<1>(o, dv, p, ldp, vrow, j0, j1); break;
+    case 4: pv_rows<4>(o, dv, p, ldp, PointedRows{vrow, 0}, j0, j1); break;
+    case 3: pv_rows<3>(o, dv, p, ldp, PointedRows{vrow, 0}, j0, j1); break;
+    case 2: pv_rows<2>(o, dv, p, ldp, PointedRows{vrow, 0}, j0, j1); break;
+    default: pv_rows<1>(o, dv, p, ldp, PointedRows{vrow, 0}, j0, j1); break;
   }
 }
 

@@ -72,6 +72,9 @@ def _build(c: dict) -> dict:
     for b, u in enumerate(used):
         table[b, :u] = torch.tensor(ids[pos:pos + u], dtype=torch.int32)
         pos += u
+    for members, pages in c.get("share", []):  # these sequences' tables start with the first one's `pages` blocks
+        for b in members[1:]:
+            table[b, :pages] = table[members[0], :pages]
     heads = hk * c["group"]
     return dict(
         q=torch.randn(sum(c["seq_q"]), heads, c["head_dim"], generator=g).to(dt),
@@ -138,7 +141,8 @@ def _check(c: dict, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     torch.set_num_threads(threads)
     try:
         out, lse = cpu_attention.paged_attention(t["q"], t["k_pages"], t["v_pages"], t["table"], sk, cu, scale,
-                                                 c["softcap"], window, t["sinks"], generic=c["generic"])
+                                                 c["softcap"], window, t["sinks"], generic=c["generic"],
+                                                 cascade=c.get("cascade"))
     finally:
         torch.set_num_threads(1)
     ref, ref_lse = _oracle(c, t, scale)
@@ -195,6 +199,59 @@ def test_prefill_tiles(case):
              group=group, dtype=torch.float32, causal=causal, window=window, softcap=softcap, s_aux=sinks,
              extra_cols=1, seed=d + page + group, generic=False)
     _check(c)
+
+
+# Cascade (float32 AVX-512): decodes whose tables start with the same blocks run those keys once, stacked.
+# (page, group, softcap, sinks, causal, window)
+_CASCADES = [
+    (16, 4, 0.0, False, True, (-1, -1)),  # the shared-prefix bench's GQA shape
+    (128, 1, 10.0, True, True, (-1, -1)),  # one head per KV head: 8 sequences make the 8 stacked rows
+    (48, 2, 0.0, True, False, (-1, -1)),
+    (16, 8, 0.0, False, True, (30, 0)),  # a left window: no cascade, same results
+]
+
+
+@pytest.mark.parametrize("case", _CASCADES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cascade_decodes_sharing_pages(case, threads):
+    """Decode rows (1-4 per sequence) of sequences that share their first pages: a group of 9 sharing 5 pages
+    (one of them shares only 3: the group takes 3), a group of 2 (too few rows to stack unless the GQA group is
+    wide), a pair sharing a page that one of them cannot see all of (its keys end mid-page), sequences that share
+    nothing, and a prefill chunk beside them. Every output and log-sum-exp against the float64 oracle, and
+    within float rounding of the same step without the cascade."""
+    page, group, softcap, sinks, causal, window = case
+    seq_q = [1, 1, 2, 1, 4, 1, 1, 3, 1, 1, 2, 1, 1, 33, 1, 1]
+    lens = [5 * page + 7, 5 * page + 1, 6 * page, 5 * page + 30, 7 * page + 3, 5 * page + 2, 8 * page, 5 * page + 9,
+            3 * page + 5, 2 * page + 3, 3 * page, page - 2 if page > 2 else 1, page + 5, 2 * page + 40, 4 * page, 90]
+    share = [([0, 1, 2, 3, 4, 5, 6, 7, 8], 5), ([9, 10], 2), ([11, 12], 1)]
+    c = dict(seq_q=seq_q, seq_k=[max(q, n) for q, n in zip(seq_q, lens, strict=True)], page=page, head_dim=64,
+             value_dim=64, kv_heads=2, group=group, dtype=torch.float32, causal=causal, window=window,
+             softcap=softcap, s_aux=sinks, extra_cols=1, seed=page + group, generic=False, share=share)
+    c_short = dict(c)
+    c_short["share"] = [([0, 1, 2, 3, 4, 5, 6, 7], 5), ([0, 8], 3), ([9, 10], 2), ([11, 12], 1)]
+    for config in (c, c_short):
+        out, lse = _check(dict(config, cascade=True), threads=threads)
+        plain, plain_lse = _check(dict(config, cascade=False), threads=threads)
+        assert (out - plain).abs().max().item() <= 1e-5 * (1 + plain.abs().max().item())
+        fin = torch.isfinite(plain_lse)
+        assert torch.equal(fin, torch.isfinite(lse))
+        assert (lse[fin] - plain_lse[fin]).abs().max().item() <= 1e-5 * (1 + plain_lse[fin].abs().max().item())
+
+
+def test_cascade_runs_for_shared_pages(monkeypatch):
+    """The cascade changes the arithmetic's order on shared pages only: with a group of decodes sharing pages the
+    outputs differ in float rounding from the per-sequence path (so it ran), and without sharing they are equal
+    to the bit."""
+    seq_q = [1] * 12
+    base = dict(seq_q=seq_q, seq_k=[300 + 7 * i for i in range(12)], page=16, head_dim=64, value_dim=64, kv_heads=2,
+                group=4, dtype=torch.float32, causal=True, window=(-1, -1), softcap=0.0, s_aux=False, extra_cols=0,
+                seed=3, generic=False)
+    shared = dict(base, share=[(list(range(12)), 18)])
+    on, _ = _check(dict(shared, cascade=True))
+    off, _ = _check(dict(shared, cascade=False))
+    assert not torch.equal(on, off)
+    assert all(torch.equal(x, y) for x, y in zip(_check(dict(base, cascade=True)), _check(dict(base, cascade=False)),
+                                                 strict=True))
 
 
 def _layer_case(seed: int, sq: int, lengths: list[int], page: int = 16, dtype=torch.float32):

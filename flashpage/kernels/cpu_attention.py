@@ -8,6 +8,9 @@ sharing each key / value load, ``at::parallel_for`` over the tasks. Decode tiles
 rows) of a float32 call on an AVX-512 CPU take every KV head in one task instead: a page row holds
 all the heads of a token, so the task reads each page front to back (decode is bound by memory
 bandwidth) and prefetches the next page; with fewer decode tiles than threads they split per head.
+Decode tiles whose tables start with the same pages (prefix caching) take a cascade: their queries,
+stacked per KV head, run the prefill tile's GEMM micro-kernels over the shared keys once, then each
+tile resumes its own online softmax after them (``FLASHPAGE_CPU_CASCADE=0``: off).
 Same contract as the reference (shared/design/flash-attn-contract.md section 3): bottom-right causal,
 sliding window, softcap, attention sinks, a row with no visible key returns 0. float32 and float64
 only; anything else (half types, ALiBi, LSE, autograd) stays on the reference.
@@ -34,8 +37,11 @@ from dataclasses import dataclass
 import torch
 
 ENV = "FLASHPAGE_CPU_ATTENTION"  # "reference" forces the PyTorch path; anything else / unset: auto
+# "0": decodes that share their first pages read them each on their own (an A/B switch; read at import)
+CASCADE_ENV = "FLASHPAGE_CPU_CASCADE"
+_CASCADE = os.environ.get(CASCADE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 _DTYPES = (torch.float32, torch.float64)
-_VERSION = 11  # bump when the C++ source changes meaning (the source hash also rebuilds)
+_VERSION = 12  # bump when the C++ source changes meaning (the source hash also rebuilds)
 
 # Cephes' expf polynomial (about 1 ulp on [-87.3, 88.3], which callers clamp x to), one float and 16
 # lanes; this kernel's source and cpu_fused's both include it (after their headers).
@@ -96,6 +102,7 @@ _SOURCE = r"""
 namespace {
 
 constexpr int64_t kQueryTile = 32;  // query rows per task: long prefills split into several tasks
+constexpr int64_t kDecodeRows = 4;  // float32 AVX-512 tiles with at most this many query rows: attend_decode
 constexpr int64_t kGemmRows = 16;   // tiles with this many (query, head) rows use GEMMs per page
 
 template <typename T>
@@ -212,24 +219,35 @@ void pv_rows(T* o, const T* p, const T* v, int64_t vs, int64_t rows, int64_t n, 
 // The tile's queries times the softmax factor, and the running max / sum initialised (sinks: the
 // sink logit is a key every row sees, with no value). KV heads h0 .. h1-1: row r = ((hk - h0) * (i1 - i0) +
 // i - i0) * group + g holds query row i, head hk * group + g.
+// init_rows fills the rows from `at` on (w already sized); start_tile sizes w for one tile and fills it.
 template <typename T>
-void start_tile(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, int64_t i0, int64_t i1, Work<T>& w) {
+void init_rows(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, int64_t i0, int64_t i1, Work<T>& w, int64_t at) {
   const int64_t group = a.heads / a.kv_heads, d = a.d;
-  const int64_t rows = (h1 - h0) * (i1 - i0) * group;
-  w.q.resize(rows * a.d);
-  w.acc.assign(rows * a.dv, T(0));
-  w.m.resize(rows);
-  w.l.resize(rows);
   for (int64_t hk = h0; hk < h1; ++hk)
     for (int64_t i = i0; i < i1; ++i)
       for (int64_t g = 0; g < group; ++g) {
-        const int64_t r = ((hk - h0) * (i1 - i0) + i - i0) * group + g, h = hk * group + g;
+        const int64_t r = at + ((hk - h0) * (i1 - i0) + i - i0) * group + g, h = hk * group + g;
         const T* src = a.q + (a.cu_q[b] + i) * a.q_t + h * a.q_h;
         T* dst = w.q.data() + r * d;
         for (int64_t x = 0; x < d; ++x) dst[x] = src[x] * a.factor;
         w.m[r] = a.sinks ? a.sinks[h] : -std::numeric_limits<T>::infinity();
         w.l[r] = a.sinks ? T(1) : T(0);
+        std::fill_n(w.acc.data() + r * a.dv, a.dv, T(0));
       }
+}
+
+template <typename T>
+void size_rows(Work<T>& w, int64_t rows, int64_t d, int64_t dv) {
+  w.q.resize(rows * d);
+  w.acc.resize(rows * dv);
+  w.m.resize(rows);
+  w.l.resize(rows);
+}
+
+template <typename T>
+void start_tile(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, int64_t i0, int64_t i1, Work<T>& w) {
+  size_rows(w, (h1 - h0) * (i1 - i0) * (a.heads / a.kv_heads), a.d, a.dv);
+  init_rows(a, b, h0, h1, i0, i1, w, 0);
 }
 
 // out rows = acc / l, or 0 where a row saw no key (and no sink); rows ordered as in start_tile.
@@ -720,11 +738,13 @@ inline float row_max(const float* s, int64_t s0, int64_t s1) {
 // across pages, K transposed once per block), then kRowBlock rows at a time: their scores against the union
 // of their visible keys (qk_block), each row's online softmax over its own keys (zeros around them), P.V for
 // 4 rows at a time. The rows' scores stay in a kRowBlock x kKeyBlock buffer (L1) between the three steps.
-inline void prefill_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1, Work<float>& w) {
-  const int64_t group = a.heads / a.kv_heads, d = a.d, dv = a.dv;
-  const int64_t shift = a.seqlens_k[b] - (a.cu_q[b + 1] - a.cu_q[b]);
-  const int64_t rows = (i1 - i0) * group;
-  start_tile(a, b, hk, hk + 1, i0, i1, w);
+// prefill_keys is its walk over keys [lo, hi) of sequence b's pages (KV head hk) for the `rows` rows set up in
+// w, row r seeing keys [s0, s1) of [j0, j1) as row_keys(r, j0, j1, s0, s1) says; the cascade's shared stage
+// runs it too, on several sequences' rows stacked.
+template <class RowKeys>
+inline void prefill_keys(const Args<float>& a, int64_t b, int64_t hk, int64_t lo, int64_t hi, int64_t rows,
+                         RowKeys row_keys, Work<float>& w) {
+  const int64_t d = a.d, dv = a.dv;
   // scores in base 2 (softmax_rows): log2 e folded into q, or into the softcap's factor
   for (int64_t r = 0; r < rows; ++r) w.m[r] *= kLog2e;
   if (a.softcap <= 0)
@@ -739,8 +759,6 @@ inline void prefill_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0
   const float** krow = kv_rows.data();
   const float** vrow = kv_rows.data() + kKeyBlock;
   int64_t* span = w.span.data();
-  int64_t lo, hi;
-  tile_keys(a, b, i0, i1, lo, hi);
   for (int64_t j0 = lo; j0 < hi;) {
     const int64_t j1 = std::min(hi, (j0 / kKeyBlock + 1) * kKeyBlock), n = j1 - j0, ldk = (n + 31) / 32 * 32;
     block_rows(a, b, hk, j0, j1, krow, vrow);
@@ -750,7 +768,7 @@ inline void prefill_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0
       int64_t u0 = n, u1 = 0;  // the union of the rows' visible keys in the block
       for (int64_t r = 0; r < nr; ++r) {
         int64_t s0, s1;
-        row_span(a, i0 + (r0 + r) / group, shift, j0, j1, s0, s1);
+        row_keys(r0 + r, j0, j1, s0, s1);
         span[2 * r] = s0 - j0;
         span[2 * r + 1] = s1 - j0;
         if (s0 < s1) {
@@ -784,6 +802,18 @@ inline void prefill_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0
     j0 = j1;
   }
   for (int64_t r = 0; r < rows; ++r) w.m[r] *= kLn2;  // back to natural units for the log-sum-exp
+}
+
+inline void prefill_tile(const Args<float>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1, Work<float>& w) {
+  const int64_t group = a.heads / a.kv_heads;
+  const int64_t shift = a.seqlens_k[b] - (a.cu_q[b + 1] - a.cu_q[b]);
+  start_tile(a, b, hk, hk + 1, i0, i1, w);
+  int64_t lo, hi;
+  tile_keys(a, b, i0, i1, lo, hi);
+  prefill_keys(a, b, hk, lo, hi, (i1 - i0) * group,
+               [&](int64_t r, int64_t j0, int64_t j1, int64_t& s0, int64_t& s1) {
+                 row_span(a, i0 + r / group, shift, j0, j1, s0, s1);
+               }, w);
   finish_tile(a, b, hk, hk + 1, i0, i1, w);
 }
 
@@ -852,10 +882,20 @@ inline PageRows page_rows(const Args<float>& a, int64_t b, int64_t h0, int64_t p
           a.v + blk * a.v_b + h0 * a.v_h + (j0 - p * a.page) * a.v_p, j1 - j0};
 }
 
-// The first page a decode tile reads (n = 0: it reads none).
-inline PageRows first_page(const Args<float>& a, int64_t b, int64_t h0, int64_t i0, int64_t i1) {
+// A decode tile's online-softmax state after keys [0, keys) (a cascade's shared stage), its rows ordered as in
+// start_tile; keys 0: none (start from scratch).
+struct Resume {
+  int64_t keys = 0;
+  const float* m = nullptr;
+  const float* l = nullptr;
+  const float* acc = nullptr;
+};
+
+// The first page a decode tile reads (n = 0: it reads none), from key `skip` on.
+inline PageRows first_page(const Args<float>& a, int64_t b, int64_t h0, int64_t i0, int64_t i1, int64_t skip) {
   int64_t lo, hi;
   tile_keys(a, b, i0, i1, lo, hi);
+  lo = std::max(lo, skip);
   return lo < hi ? page_rows(a, b, h0, lo / a.page, lo, hi) : PageRows{};
 }
 
@@ -877,7 +917,7 @@ constexpr int64_t kPrefetchBytes = 128 << 10;  // of the next page's K (and V) r
 // time, while the next page (`after` once this tile's pages run out: the following task's first) is
 // prefetched one chunk's share per step. Same results as attend_tile on each head.
 inline void attend_decode(const Args<float>& a, int64_t b, int64_t h0, int64_t h1, int64_t i0, int64_t i1,
-                          Work<float>& w, QkFn qk, PageRows after) {
+                          Work<float>& w, QkFn qk, PageRows after, const Resume& resume) {
   const int64_t group = a.heads / a.kv_heads, d = a.d, dv = a.dv, nh = h1 - h0;
   const int64_t shift = a.seqlens_k[b] - (a.cu_q[b + 1] - a.cu_q[b]);
   const int64_t per_head = (i1 - i0) * group, rows = nh * per_head;
@@ -888,6 +928,12 @@ inline void attend_decode(const Args<float>& a, int64_t b, int64_t h0, int64_t h
   int64_t* span = w.span.data();
   int64_t lo, hi;
   tile_keys(a, b, i0, i1, lo, hi);
+  if (resume.keys > 0) {  // the cascade's shared stage saw keys [0, resume.keys): continue from its state
+    std::copy_n(resume.m, rows, w.m.data());
+    std::copy_n(resume.l, rows, w.l.data());
+    std::copy_n(resume.acc, rows * dv, w.acc.data());
+    lo = std::max(lo, resume.keys);
+  }
   for (int64_t p = lo / a.page; p * a.page < hi; ++p) {
     const PageRows cur = page_rows(a, b, h0, p, lo, hi);
     const PageRows next = (p + 1) * a.page < hi ? page_rows(a, b, h0, p + 1, lo, hi) : after;
@@ -942,10 +988,110 @@ inline void attend_decode(const Args<float>& a, int64_t b, int64_t h0, int64_t h
   finish_tile(a, b, h0, h1, i0, i1, w);
 }
 
+// Cascade attention for decode tiles that share their first pages (prefix caching: a system prompt, a few-shot
+// prefix, n samples of one prompt). Their queries are stacked and run through prefill_keys over the shared
+// pages once per KV head (register-blocked GEMM micro-kernels, each shared K / V row read once for all of
+// them); each tile's own decode then resumes from that state over its remaining keys. Same online softmax,
+// so the same result up to float rounding (the shared stage sums in base 2, in another order).
+constexpr int64_t kCascadeRows = 8;  // stacked (query, head) rows per KV head a group needs to take the cascade
+
+struct Cascade {
+  std::vector<int64_t> keys;    // per sequence: shared keys its decode resumes after (0: not in a group)
+  std::vector<int64_t> first;   // per sequence: its first state row (rows as attend_decode's, KV heads 0 ..)
+  std::vector<std::vector<int64_t>> groups;  // the sequences of each group (the first one's table is read)
+  std::vector<float> m, l, acc;  // the state rows
+
+  Resume resume(const Args<float>& a, int64_t b, int64_t h0, int64_t i0, int64_t i1) const {
+    if (keys.empty() || keys[b] == 0) return {};
+    const int64_t row = first[b] + h0 * (i1 - i0) * (a.heads / a.kv_heads);
+    return {keys[b], m.data() + row, l.data() + row, acc.data() + row * a.dv};
+  }
+};
+
+// Whether sequence b's decode can start from shared keys: a whole-sequence decode tile whose first query row
+// sees every key before `keys` (no left window; causal rows see up to their own position).
+inline int64_t visible_to_all(const Args<float>& a, int64_t b) {
+  const int64_t sq = a.cu_q[b + 1] - a.cu_q[b];
+  if (sq < 1 || sq > kDecodeRows || a.left >= 0) return 0;
+  int64_t lo, hi;
+  tile_keys(a, b, 0, 1, lo, hi);
+  return hi;
+}
+
+// Groups: sequences whose tables start with the same block, sharing their longest common run of full pages
+// that every member's rows see; a group needs two members and kCascadeRows stacked rows per KV head.
+inline Cascade plan_cascade(const Args<float>& a, int64_t batch) {
+  Cascade c;
+  const int64_t group = a.heads / a.kv_heads;
+  std::vector<std::pair<int64_t, int64_t>> by_first;  // (first block, sequence)
+  for (int64_t b = 0; b < batch; ++b)
+    if (visible_to_all(a, b) >= a.page) by_first.push_back({a.table[b * a.table_b], b});
+  if (by_first.size() < 2) return c;
+  std::sort(by_first.begin(), by_first.end());
+  c.keys.assign(batch, 0);
+  c.first.assign(batch, 0);
+  int64_t state_rows = 0;
+  for (size_t s = 0; s < by_first.size();) {
+    size_t e = s;
+    while (e < by_first.size() && by_first[e].first == by_first[s].first) ++e;
+    const int64_t b0 = by_first[s].second;
+    int64_t pages = visible_to_all(a, b0) / a.page, rows = 0;
+    for (size_t k = s; k < e; ++k) {
+      const int64_t b = by_first[k].second;
+      int64_t same = 0;
+      const int64_t limit = std::min(pages, visible_to_all(a, b) / a.page);
+      while (same < limit && a.table[b * a.table_b + same] == a.table[b0 * a.table_b + same]) ++same;
+      pages = same;
+      rows += (a.cu_q[b + 1] - a.cu_q[b]) * group;
+    }
+    if (e - s >= 2 && pages > 0 && rows >= kCascadeRows) {
+      std::vector<int64_t> members;
+      for (size_t k = s; k < e; ++k) {
+        const int64_t b = by_first[k].second;
+        members.push_back(b);
+        c.keys[b] = pages * a.page;
+        c.first[b] = state_rows;
+        state_rows += a.kv_heads * (a.cu_q[b + 1] - a.cu_q[b]) * group;
+      }
+      c.groups.push_back(std::move(members));
+    }
+    s = e;
+  }
+  c.m.resize(state_rows);
+  c.l.resize(state_rows);
+  c.acc.resize(state_rows * a.dv);
+  return c;
+}
+
+// Group gi's shared stage for KV head hk: its members' rows stacked, prefill_keys over the shared keys (all
+// visible to all), the state saved where each member's decode resumes.
+inline void shared_stage(const Args<float>& a, Cascade& c, int64_t gi, int64_t hk, Work<float>& w) {
+  const std::vector<int64_t>& members = c.groups[gi];
+  const int64_t group = a.heads / a.kv_heads, dv = a.dv, keys = c.keys[members[0]];
+  int64_t rows = 0;
+  for (int64_t b : members) rows += (a.cu_q[b + 1] - a.cu_q[b]) * group;
+  size_rows(w, rows, a.d, dv);
+  int64_t at = 0;
+  for (int64_t b : members) {
+    const int64_t sq = a.cu_q[b + 1] - a.cu_q[b];
+    init_rows(a, b, hk, hk + 1, 0, sq, w, at);
+    at += sq * group;
+  }
+  prefill_keys(a, members[0], hk, 0, keys, rows,
+               [](int64_t, int64_t j0, int64_t j1, int64_t& s0, int64_t& s1) { s0 = j0; s1 = j1; }, w);
+  at = 0;
+  for (int64_t b : members) {
+    const int64_t n = (a.cu_q[b + 1] - a.cu_q[b]) * group, row = c.first[b] + hk * n;
+    std::copy_n(w.m.data() + at, n, c.m.data() + row);
+    std::copy_n(w.l.data() + at, n, c.l.data() + row);
+    std::copy_n(w.acc.data() + at * dv, n * dv, c.acc.data() + row * dv);
+    at += n;
+  }
+}
+
 }  // namespace fast
 #endif
 
-constexpr int64_t kDecodeRows = 4;  // float32 AVX-512 tiles with at most this many query rows: attend_decode
 
 struct Task {
   int64_t b, i0, i1, h0, h1;  // sequence b's query rows i0 .. i1-1, KV heads h0 .. h1-1
@@ -973,13 +1119,25 @@ std::vector<Task> plan_tasks(const Args<T>& a, int64_t batch, bool fast) {
   return tasks;
 }
 
+// mode: 0 the fast paths where they apply (float32, AVX-512) with the cascade, 1 the generic loops only,
+// 2 the fast paths without the cascade.
 template <typename T>
-void run(const Args<T>& a, int64_t batch, bool generic) {
+void run(const Args<T>& a, int64_t batch, int64_t mode) {
   bool fast = false;
 #if defined(__AVX512F__)
   fast::QkFn qk = nullptr;
-  if constexpr (std::is_same_v<T, float>) qk = generic ? nullptr : fast::qk_for(a.d);
+  if constexpr (std::is_same_v<T, float>) qk = mode == 1 ? nullptr : fast::qk_for(a.d);
   fast = qk != nullptr;
+  fast::Cascade cascade;
+  if constexpr (std::is_same_v<T, float>) {
+    if (fast && mode == 0) cascade = fast::plan_cascade(a, batch);
+    const int64_t stages = static_cast<int64_t>(cascade.groups.size()) * a.kv_heads;
+    if (stages > 0)
+      at::parallel_for(0, stages, 1, [&](int64_t begin, int64_t end) {
+        Work<float> w;
+        for (int64_t t = begin; t < end; ++t) fast::shared_stage(a, cascade, t / a.kv_heads, t % a.kv_heads, w);
+      });
+  }
 #endif
   const std::vector<Task> tasks = plan_tasks(a, batch, fast);
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
@@ -990,8 +1148,10 @@ void run(const Args<T>& a, int64_t batch, bool generic) {
       if constexpr (std::is_same_v<T, float>) {
         if (k.decode) {
           const Task* nx = t + 1 < end && tasks[t + 1].decode ? &tasks[t + 1] : nullptr;
-          const fast::PageRows after = nx ? fast::first_page(a, nx->b, nx->h0, nx->i0, nx->i1) : fast::PageRows{};
-          fast::attend_decode(a, k.b, k.h0, k.h1, k.i0, k.i1, w, qk, after);
+          const fast::PageRows after = nx ? fast::first_page(a, nx->b, nx->h0, nx->i0, nx->i1,
+                                                             cascade.resume(a, nx->b, nx->h0, nx->i0, nx->i1).keys)
+                                          : fast::PageRows{};
+          fast::attend_decode(a, k.b, k.h0, k.h1, k.i0, k.i1, w, qk, after, cascade.resume(a, k.b, k.h0, k.i0, k.i1));
           continue;
         }
         if (fast && (k.i1 - k.i0) * (a.heads / a.kv_heads) >= fast::kTileRows) {
@@ -1056,7 +1216,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
     a.page = k_pages.size(1);
     a.factor = static_cast<scalar_t>(factor); a.softcap = static_cast<scalar_t>(softcap);
     a.left = left; a.right = right;
-    run(a, batch, generic != 0);
+    run(a, batch, generic);
   });
   return {out, lse};
 }
@@ -1272,30 +1432,32 @@ def window_sides(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
 def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                     seqlens_k: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float, softcap: float,
                     window: tuple[int, int], s_aux: torch.Tensor | None, *, generic: bool = False,
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                    cascade: bool | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Paged attention of packed queries, or None when the kernel is unavailable (caller falls back).
 
     q: (T, H, D) float32/float64, sequence b's rows ``cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1``;
     k_pages / v_pages: (NB, P, Hk, D|Dv); block_table: (B, M) int (columns past a sequence's keys
     are never read); seqlens_k: (B,) keys visible; ``window``: (left, right) with causal folded in
     (:func:`window_sides`), -1 unbounded; s_aux: (H,) sink logits or None. Returns out (T, H, Dv)
-    in q's dtype and the log-sum-exp (T, H) (+inf for a row that sees no key).
+    in q's dtype and the log-sum-exp (T, H) (+inf for a row that sees no key). ``generic``: the portable
+    loops only; ``cascade``: decode rows whose tables start with the same pages read them once, together
+    (None: ``FLASHPAGE_CPU_CASCADE``, default on).
     """
     kernel = load()
     if kernel is None:
         return None
     return run_kernel(kernel, q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, scale, softcap, window, s_aux,
-                      generic=generic)
+                      generic=generic, cascade=cascade)
 
 
 def run_kernel(kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor, k_pages: torch.Tensor,
                v_pages: torch.Tensor, block_table: torch.Tensor, seqlens_k: torch.Tensor, cu_seqlens_q: torch.Tensor,
                scale: float, softcap: float, window: tuple[int, int], s_aux: torch.Tensor | None, *,
-               generic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               generic: bool = False, cascade: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`paged_attention` on a kernel :func:`load` returned (a caller that looks it up once per
     step skips the per-call environment check); same arguments and results."""
     factor = scale / softcap if softcap > 0 else scale
     if q.stride(-1) != 1:
         q = q.contiguous()
     return kernel(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, factor, softcap, int(window[0]),
-                  int(window[1]), s_aux, int(generic))
+                  int(window[1]), s_aux, 1 if generic else 0 if (_CASCADE if cascade is None else cascade) else 2)

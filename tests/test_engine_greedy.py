@@ -8,9 +8,11 @@ The block invariant is checked after every step (LLM(check_invariants=True)).
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_helpers import assert_matches_hf, random_prompts
 
 from flashpage import LLM, SamplingParams
+from flashpage.kernels import cpu_attention
 
 MAX_NEW = 12
 
@@ -45,6 +47,28 @@ def test_prefix_caching_on_hits_and_matches(model, prompts):
     assert stats.prefix_cache_hit_rate > 0.1
     assert sum(o.metrics.cached_prompt_tokens for o in outs) > 0
     assert_matches_hf(model, prompts, outs, MAX_NEW)
+
+
+def test_shared_prefix_decodes_take_the_cascade(model, monkeypatch):
+    """Decodes behind a shared prefix take the CPU kernel's cascade (the shared pages once, the queries of
+    all the sequences stacked): their tokens equal transformers', and their logprobs differ from the
+    per-sequence path's by float rounding only (not to the bit: the cascade ran)."""
+    if cpu_attention.status().name != "cpp" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        pytest.skip("the cascade is on the C++ kernel's float32 AVX-512 path")
+    shared = random_prompts(1, 64, 64, seed=7)[0]
+    prompts = random_prompts(8, 2, 10, seed=8, prefix=shared)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logprobs=1)
+    runs = {}
+    for cascade in (True, False):
+        monkeypatch.setattr(cpu_attention, "_CASCADE", cascade)
+        llm = LLM(model, block_size=16, num_blocks=64, enable_prefix_caching=True, check_invariants=True)
+        runs[cascade] = llm.generate(prompts, params, use_tqdm=False)
+    assert_matches_hf(model, prompts, runs[True], MAX_NEW)
+    on = [lp.logprob for o in runs[True] for lp in o.logprobs]
+    off = [lp.logprob for o in runs[False] for lp in o.logprobs]
+    assert [o.token_ids for o in runs[True]] == [o.token_ids for o in runs[False]]
+    assert max(abs(a - b) for a, b in zip(on, off, strict=True)) < 1e-4
+    assert on != off
 
 
 def test_prefix_caching_off(model, prompts):

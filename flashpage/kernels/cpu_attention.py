@@ -1008,8 +1008,9 @@ struct Cascade {
   }
 };
 
-// Whether sequence b's decode can start from shared keys: a whole-sequence decode tile whose first query row
-// sees every key before `keys` (no left window; causal rows see up to their own position).
+// How many leading keys every query row of sequence b's decode sees (its first row sees the fewest: causal rows
+// see up to their own position), or 0 where the tile cannot take the cascade (not a whole-sequence decode
+// tile, or a left window).
 inline int64_t visible_to_all(const Args<float>& a, int64_t b) {
   const int64_t sq = a.cu_q[b + 1] - a.cu_q[b];
   if (sq < 1 || sq > kDecodeRows || a.left >= 0) return 0;
@@ -1175,7 +1176,7 @@ void run(const Args<T>& a, int64_t batch, int64_t mode) {
 std::tuple<at::Tensor, at::Tensor> paged_attention(
     const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages, const at::Tensor& block_table,
     const at::Tensor& seqlens_k, const at::Tensor& cu_seqlens_q, double factor, double softcap, int64_t left,
-    int64_t right, const std::optional<at::Tensor>& sinks, int64_t generic) {
+    int64_t right, const std::optional<at::Tensor>& sinks, int64_t mode) {
   TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.dim() == 4, "paged_attention: bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && k_pages.stride(3) == 1 && v_pages.stride(3) == 1,
               "paged_attention: last dims must be contiguous");
@@ -1216,7 +1217,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
     a.page = k_pages.size(1);
     a.factor = static_cast<scalar_t>(factor); a.softcap = static_cast<scalar_t>(softcap);
     a.left = left; a.right = right;
-    run(a, batch, generic);
+    run(a, batch, mode);
   });
   return {out, lse};
 }
@@ -1257,7 +1258,7 @@ TORCH_LIBRARY(flashpage_cpu, m) {
   m.def("store_kv(Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor k, Tensor v, Tensor slots) -> ()");
   m.impl("store_kv", c10::DispatchKey::CPU, TORCH_FN(store_kv));
   m.def("paged_attention(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seqlens_k, "
-        "Tensor cu_seqlens_q, float factor, float softcap, int left, int right, Tensor? sinks, int generic) -> "
+        "Tensor cu_seqlens_q, float factor, float softcap, int left, int right, Tensor? sinks, int mode) -> "
         "(Tensor, Tensor)");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }
@@ -1460,4 +1461,10 @@ def run_kernel(kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]], q: torc
     if q.stride(-1) != 1:
         q = q.contiguous()
     return kernel(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, factor, softcap, int(window[0]),
-                  int(window[1]), s_aux, 1 if generic else 0 if (_CASCADE if cascade is None else cascade) else 2)
+                  int(window[1]), s_aux, _mode(generic, _CASCADE if cascade is None else cascade))
+
+
+def _mode(generic: bool, cascade: bool) -> int:
+    """The kernel's ``mode`` argument (``run`` in the C++ source): 1 the portable loops only, else the fast
+    paths where they apply, 0 with the cascade, 2 without."""
+    return 1 if generic else 0 if cascade else 2

@@ -104,7 +104,7 @@ def _threads() -> dict[str, Any]:
             else f"torch F.linear ({ENV}=torch or no oneDNN)"
     return {"torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "usable_cores": len(cores), "cores": format_cores(cores), "cpu_linears": linears,
-            "eager_fastpath": _fastpath_label()}
+            "eager_fastpath": _fastpath_label(), "flat_step": _flat_label()}
 
 
 def _malloc() -> str:
@@ -133,6 +133,18 @@ def _fastpath_label() -> str:
     state = cpu_fused.status()
     ops = state.reason if state.name == "cpp" else f"torch ops ({state.reason})"
     return label + f"; {ops} ({ENV}=torch for torch ops only)"
+
+
+def _flat_label() -> str:
+    """Whether LLM's eager steps of plain Llama-family decoders run as one flat loop (engine/flat.py)."""
+    try:
+        from flashpage.engine.flat import ENV, FAMILIES, enabled_by_env
+    except ImportError as exc:
+        return f"unavailable ({type(exc).__name__})"
+    if not enabled_by_env():
+        return f"off ({ENV}=0): the model's forward"
+    return (f"one flat loop over the layers for {', '.join(FAMILIES)} once a step proves it equal to the model's "
+            f"forward ({ENV}=0 turns it off; LLM.flat_step says why a model has none)")
 
 
 def _cpu_attention() -> dict[str, str]:
@@ -167,6 +179,7 @@ def format_info(info: dict[str, Any]) -> str:
              "CPU threads: {torch_threads} (OMP_NUM_THREADS={omp_num_threads}), {usable_cores} usable cores ({cores}); "
              "float32 linears in LLM: {cpu_linears}".format(**info["cpu_threads"]),
              "LLM eager steps: " + info["cpu_threads"]["eager_fastpath"],
+             "LLM flat eager step: " + info["cpu_threads"]["flat_step"],
              _cpu_attention_line(info["cpu_attention"]),
              "CPU malloc: " + info["cpu_malloc"],
              "LLM compiled decode steps by default: " + ", ".join(

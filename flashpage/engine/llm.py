@@ -26,6 +26,7 @@ from flashpage.engine import prompt_logprobs
 from flashpage.engine.compiled import CompiledDecode, CompiledStep, default_compile
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
 from flashpage.engine.fastpath import fastpath_scope, install_fastpath
+from flashpage.engine.flat import FlatDecoder, flat_decoder
 from flashpage.engine.generation_config import ModelProcessors, config_diff, sampling_defaults, unapplied_fields
 from flashpage.engine.generation_config import check_mode as check_generation_mode
 from flashpage.engine.limits import context_overflow
@@ -84,6 +85,7 @@ class EngineStats:
     kv_bytes_per_token: int = 0  # K+V bytes one token of a sequence takes in the pool (all paged layers)
     state_bytes_per_seq: int = 0  # recurrent / linear-attention state bytes per sequence (hybrid models)
     state_bytes: int = 0  # the state slots allocated (all sequences)
+    flat_steps: int = 0  # eager steps that ran as the flat loop (engine/flat.py; LLM.flat_step says why not)
 
     @property
     def output_tokens_per_second(self) -> float:
@@ -221,7 +223,7 @@ class LLM:
         self._lock = threading.Lock()
         # held by each step and by abort()/add_request(): either may come from another thread than step()'s
         self._step_lock = threading.RLock()
-        self._counters = {"steps": 0, "computed": 0, "generated": 0, "busy": 0.0}
+        self._counters = {"steps": 0, "computed": 0, "generated": 0, "busy": 0.0, "flat": 0}
         self.step_request_ids: tuple[str, ...] = ()  # requests of the latest step (set even when it raises)
         self.check_invariants = check_invariants
         use_compile = default_compile(self.device) and self._tp is None if compile is None else bool(compile)
@@ -253,6 +255,9 @@ class LLM:
         self._prepack = Prepacked(self.model, cpu_prepack) if self._onednn else None
         # fused norms / rotary / gated-MLP activations inside the engine's eager forwards (engine/fastpath.py)
         self.fastpath = install_fastpath(self.model)
+        # a plain Llama-family decoder's eager step as one flat loop, once a step proves it equal (engine/flat.py)
+        self._flat: FlatDecoder | None = None
+        self.flat_step = self._build_flat()
         # CPU: every step kind through one compiled packed forward; CUDA: decode steps as CUDA graphs
         self._compiled_step = CompiledStep(self.model, self._cache, self._cache_kwarg, max_num_batched_tokens,
                                            self.device, onednn=self._onednn, prepack=self._prepack) \
@@ -341,7 +346,8 @@ class LLM:
                            prefix_caching=self.kv.blocks.enable_prefix_caching,
                            kv_bytes_per_token=self.sizing.bytes_per_token,
                            state_bytes_per_seq=self._states.bytes_per_sequence() if self._states is not None else 0,
-                           state_bytes=self._states.allocated_bytes() if self._states is not None else 0)
+                           state_bytes=self._states.allocated_bytes() if self._states is not None else 0,
+                           flat_steps=c["flat"])
 
     # -------------------------------------------------------- batch helpers
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -382,6 +388,7 @@ class LLM:
         forget_kv(self.scheduler, self.kv)
         if self._prepack is not None:
             self._prepack.refresh(everything=True)
+        self.flat_step = self._build_flat()
         return True
 
     @property
@@ -395,6 +402,7 @@ class LLM:
             forget_kv(self.scheduler, self.kv)
             if self._prepack is not None:  # packed copies of the old weights: repack what changed
                 self._prepack.refresh(everything=not self._weights.per_tensor)
+            self.flat_step = self._build_flat()  # its modules may have been replaced: verified again
 
     # ---------------------------------------------------------------- inner
     def _exclusive(self, what: str):
@@ -626,10 +634,7 @@ class LLM:
                 keep_rows = torch.tensor(keep, dtype=torch.long, device=self.device)
                 with torch.inference_mode(), self._positions_for(position_ids), \
                         onednn_scope(self._onednn, self._prepack), fastpath_scope(self.fastpath.any):
-                    logits = self.model(input_ids=torch.tensor([ids], device=self.device), position_ids=position_ids,
-                                        use_cache=True, logits_to_keep=keep_rows,
-                                        **{self._cache_kwarg: self._cache}).logits[0]
-                logits = kept_rows(logits, keep_rows, self._keeps_logits)
+                    logits = self._eager_logits(torch.tensor([ids], device=self.device), position_ids, keep_rows)
         except BaseException:
             self._cache.end_forward(ok=False)
             self.scheduler.rollback(schedule)  # give back this step's slots: the cache is as before
@@ -637,6 +642,50 @@ class LLM:
         for c in chunks:
             c.seq.num_computed = c.start + c.num_tokens
         return logits
+
+    def _eager_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      keep_rows: torch.Tensor) -> torch.Tensor:
+        """An eager step's kept logits rows (K, V) from input_ids / position_ids (1, T): through the flat loop
+        once verified, else the model's forward (which verifies the loop on the first step that can)."""
+
+        def module_forward() -> torch.Tensor:
+            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                                logits_to_keep=keep_rows, **{self._cache_kwarg: self._cache}).logits[0]
+            return kept_rows(logits, keep_rows, self._keeps_logits)
+
+        flat = self._flat
+        if flat is None or flat.failed is not None:
+            return module_forward()
+        if flat.usable():
+            logits = flat.forward(self._cache, input_ids, position_ids, keep_rows)
+            self._cache.end_forward(ok=True)
+            self._counters["flat"] += 1
+            return logits
+        if flat.verified or (self._prepack is not None and self._prepack.state == "probe"):
+            return module_forward()  # a hook was added since; or the step that finds the linears to pack
+        logits = flat.verify(self._cache, module_forward, input_ids, position_ids, keep_rows)
+        if flat.failed is not None:
+            self.flat_step = f"off: {flat.failed}"
+            warnings.warn(f"flashpage.LLM: the flat eager step of {type(self.model).__name__} is off "
+                          f"({flat.failed}); steps run the model's forward", stacklevel=4)
+        else:
+            self.flat_step = "on: verified equal to the model's forward"
+        return logits
+
+    def _build_flat(self) -> str:
+        """(Re)build the flat eager step (after a weight change: modules may have been replaced; the same
+        modules keep their verified loop); says why there is none."""
+        old, self._flat = self._flat, None
+        if self._states is not None or self._positions is not None or not self._keeps_logits or self._tp is not None:
+            return "off: recurrent layers, own positions / logits rows, or tensor parallel"
+        flat = flat_decoder(self.model)
+        if isinstance(flat, str):
+            return f"off: {flat}"
+        if old is not None and old.modules == flat.modules and (old.verified or old.failed is not None):
+            self._flat = old
+            return self.flat_step
+        self._flat = flat
+        return "on once a step verifies it"
 
     def _positions_for(self, position_ids: torch.Tensor):
         """Give decoders that derive positions from the cache's length (BART family) the step's own."""

@@ -8,9 +8,8 @@ same step as a loop over the layers that calls the very ops the patched model ca
 the embedding, the model's own rotary-embedding module, the fast path's fused norms / rotary / gated MLPs
 (``engine/fastpath.py``), the oneDNN (packed, fused-sibling) linears (``engine/linears.py``), the cache's
 ``update`` (the K/V store) and the step's paged attention. It therefore computes bit for bit what the
-patched model computes, and the engine proves it on its first step (:meth:`FlatDecoder.matches`: both
-forwards, logits compared with ``torch.equal``) before it relies on it; a model that differs keeps the
-module forward.
+patched model computes, and the engine proves it on a step (:meth:`FlatDecoder.verify`: both forwards,
+logits compared with ``torch.equal``) before it relies on it; a model that differs keeps the module forward.
 
 Which models: the causal LMs of :data:`FAMILIES` whose modules are exactly the family's classes (a
 subclass or a wrapped linear, say PEFT's, is not), with no forward hooks on the modules the loop calls
@@ -117,7 +116,7 @@ class FlatDecoder:
             out = step.attend(q, kv.k_pages(layer.index), kv.v_pages(layer.index), options)
             hidden = hidden + layer.o(out.reshape(1, length, -1).contiguous())
             hidden = hidden + layer.mlp(layer.mlp_norm(hidden))
-        return self.lm_head(self.norm(hidden[:, keep_rows]))[0]
+        return self.lm_head(self.norm(hidden)[:, keep_rows])[0]  # normed, then sliced: as the model does
 
     def verify(self, cache: HFPagedCache, module_forward: Callable[[], torch.Tensor], input_ids: torch.Tensor,
                position_ids: torch.Tensor, keep_rows: torch.Tensor) -> torch.Tensor:

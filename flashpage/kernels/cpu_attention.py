@@ -10,7 +10,10 @@ all the heads of a token, so the task reads each page front to back (decode is b
 bandwidth) and prefetches the next page; with fewer decode tiles than threads they split per head.
 Decode tiles whose tables start with the same pages (prefix caching) take a cascade: their queries,
 stacked per KV head, run the prefill tile's GEMM micro-kernels over the shared keys once, then each
-tile resumes its own online softmax after them (``FLASHPAGE_CPU_CASCADE=0``: off).
+tile resumes its own online softmax after them (``FLASHPAGE_CPU_CASCADE=0``: off). On CPUs with AVX2 + FMA
+and no AVX-512 (AMD Zen 2/3, Intel client parts), decode tiles' float32 scores take a vector loop instead of a
+dot per key: eight keys at a time, each with its own 8-lane sums, reduced together by one hadd tree (head dims
+that are multiples of 8); measured 2x the portable loops on 64 decodes of 140-190 keys.
 Same contract as the reference (shared/design/flash-attn-contract.md section 3): bottom-right causal,
 sliding window, softcap, attention sinks, a row with no visible key returns 0. float32 and float64
 only; anything else (half types, ALiBi, LSE, autograd) stays on the reference.
@@ -41,7 +44,7 @@ ENV = "FLASHPAGE_CPU_ATTENTION"  # "reference" forces the PyTorch path; anything
 CASCADE_ENV = "FLASHPAGE_CPU_CASCADE"
 _CASCADE = os.environ.get(CASCADE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 _DTYPES = (torch.float32, torch.float64)
-_VERSION = 12  # bump when the C++ source changes meaning (the source hash also rebuilds)
+_VERSION = 13  # bump when the C++ source changes meaning (the source hash also rebuilds)
 
 # Cephes' expf polynomial (about 1 ulp on [-87.3, 88.3], which callers clamp x to), one float and 16
 # lanes; this kernel's source and cpu_fused's both include it (after their headers).
@@ -91,7 +94,7 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 #include <cstring>
@@ -140,6 +143,34 @@ inline T dot(const T* __restrict a, const T* __restrict b, int64_t n) {
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// float32 scores s[r * n + j] = q_r . k_j of `rows` query rows (row stride d) and n keys (row stride ks), for
+// d % 8 == 0 (AVX2 + FMA): eight keys at a time, each with its own 8-lane partial sums, reduced together by
+// one hadd tree into the eight scores; a key costs d / 8 FMAs per row instead of a dot with a scalar reduction.
+inline void qk_rows_avx2(const float* q, int64_t rows, const float* k, int64_t ks, int64_t n, int64_t d, float* s) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* qr = q + r * d;
+    float* sr = s + r * n;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      __m256 acc[8];
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+      for (int64_t x = 0; x < d; x += 8) {
+        const __m256 qv = _mm256_loadu_ps(qr + x);
+        for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (j + u) * ks + x), acc[u]);
+      }
+      // hadd(a, b) = a01 a23 b01 b23 | a45 a67 b45 b67: two levels give keys 0-3 | 0-3 and 4-7 | 4-7 halves
+      const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+      const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+      const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+      _mm256_storeu_ps(sr + j, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                             _mm256_permute2f128_ps(u0, u1, 0x31)));
+    }
+    for (; j < n; ++j) sr[j] = dot(qr, k + j * ks, d);
+  }
+}
+#endif
 
 template <typename T>
 inline void axpy(T* __restrict o, const T* __restrict v, T p, int64_t n) {
@@ -301,11 +332,26 @@ inline void tile_keys(const Args<T>& a, int64_t b, int64_t i0, int64_t i1, int64
   if (a.right >= 0) hi = std::min<int64_t>(hi, i1 - 1 + shift + a.right + 1);
 }
 
+// The scores s[r * n + j] of `rows` query rows against n keys through the vector loop (float32, AVX2 + FMA,
+// d % 8 == 0, `vec`: not the portable mode), or false: the caller's per-key loop.
+template <typename T>
+inline bool qk_rows_vec(bool vec, const T* q, int64_t rows, const T* k, int64_t ks, int64_t n, int64_t d, T* s) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (vec && d % 8 == 0) {
+      qk_rows_avx2(q, rows, k, ks, n, d, s);
+      return true;
+    }
+  }
+#endif
+  return false;
+}
+
 // Rows i0 .. i1-1 of sequence b, KV head hk, every head of the group. Few rows (decodes): scalar
 // loops per key. Many rows (prefill tiles): one GEMM per page for Q.K^T and one for P.V, on the
 // pages in place (strided views, no copy).
 template <typename T>
-void attend_tile(const Args<T>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1, Work<T>& w) {
+void attend_tile(const Args<T>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1, Work<T>& w, bool vec) {
   const int64_t group = a.heads / a.kv_heads, d = a.d, dv = a.dv;
   const int64_t sq = a.cu_q[b + 1] - a.cu_q[b], shift = a.seqlens_k[b] - sq;
   const int64_t sk = std::min(a.seqlens_k[b], a.table_w * a.page);  // keys past the table do not exist
@@ -359,11 +405,11 @@ void attend_tile(const Args<T>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1
       // the group's rows together: each key / value row is loaded once for all of them
       const int64_t n_i = s1 - s0, r0 = (i - i0) * group;
       const T* kj0 = k0 + (s0 - j0) * a.k_p;
-      for (int64_t j = 0; j < n_i; ++j)
-        for (int64_t g = 0; g < group; ++g) {
-          const T s = dot(w.q.data() + (r0 + g) * d, kj0 + j * a.k_p, d);
-          w.s[g * n_i + j] = a.softcap > 0 ? a.softcap * std::tanh(s) : s;
-        }
+      if (!qk_rows_vec(vec, w.q.data() + r0 * d, group, kj0, a.k_p, n_i, d, w.s.data()))
+        for (int64_t j = 0; j < n_i; ++j)
+          for (int64_t g = 0; g < group; ++g) w.s[g * n_i + j] = dot(w.q.data() + (r0 + g) * d, kj0 + j * a.k_p, d);
+      if (a.softcap > 0)
+        for (int64_t x = 0; x < group * n_i; ++x) w.s[x] = a.softcap * std::tanh(w.s[x]);
       for (int64_t g = 0; g < group; ++g) softmax_update(w, r0 + g, dv, w.s.data() + g * n_i, n_i);
       for (int64_t g = 0; g < group; g += 8) {
         const int64_t rows_g = std::min<int64_t>(8, group - g);
@@ -1165,7 +1211,7 @@ void run(const Args<T>& a, int64_t batch, int64_t mode) {
         }
       }
 #endif
-      attend_tile(a, k.b, k.h0, k.i0, k.i1, w);
+      attend_tile(a, k.b, k.h0, k.i0, k.i1, w, mode != 1);
     }
   });
 }

@@ -75,7 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
         from flashpage.serve import tp
 
         if not tp.under_torchrun():  # start the ranks ourselves, on this machine
-            return tp.relaunch(size, args.argv)
+            return tp.relaunch(size, args.argv, args.port)
         return tp.run_tp_server(options, size)
     return run_server(options)
 

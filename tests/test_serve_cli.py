@@ -36,3 +36,27 @@ def test_serve_bad_values_exit_2(capsys: pytest.CaptureFixture[str], argv: list[
     assert main(["serve", "--port", "1", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("flashpage serve: error:") and message in err
+
+
+def test_tp_rendezvous_port_is_never_the_http_port(monkeypatch) -> None:
+    """`serve -tp N` picks torchrun's rendezvous port with bind(0); the kernel can hand back a port just
+    released (the HTTP port a caller probed as free), so that one is skipped."""
+    from flashpage.serve import tp
+
+    ports = iter([5000, 5000, 5001])
+
+    class FakeSocket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, addr):
+            pass
+
+        def getsockname(self):
+            return ("127.0.0.1", next(ports))
+
+    monkeypatch.setattr(tp.socket, "socket", FakeSocket)
+    assert tp.rendezvous_port(5000) == 5001

@@ -16,6 +16,7 @@ from flashpage.bench import serve as serve_bench
 from flashpage.bench import vs_vllm_serve as vs
 from flashpage.bench.vs_vllm import Settings
 from flashpage.cli import main
+from flashpage.serve.ports import free_port
 from flashpage.tiny import tiny_model_path
 
 VLLM_PYTHON = os.environ.get("FLASHPAGE_TEST_VLLM_PYTHON")
@@ -134,7 +135,7 @@ def test_started_server_stops_the_whole_process_group(tmp_path: Path):
               "        self.send_response(200); self.end_headers()\n"
               "    def log_message(self, *a): pass\n"
               f"http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
-    port = serve_bench._free_port()
+    port = free_port()
     with serve_bench.started_server([sys.executable, "-c", script, str(port)], port, timeout=30) as url:
         assert url.endswith(str(port))
         child = int(pid_file.read_text())
@@ -143,7 +144,7 @@ def test_started_server_stops_the_whole_process_group(tmp_path: Path):
     assert state in ("", "Z"), f"child {child} survived: {state}"
     with pytest.raises(RuntimeError, match="did not answer /health in 1 s: still starting"):
         with serve_bench.started_server([sys.executable, "-c", "print('still starting', flush=True); "
-                                         "import time; time.sleep(60)"], serve_bench._free_port(), timeout=1):
+                                         "import time; time.sleep(60)"], free_port(), timeout=1):
             pass
 
 
@@ -159,7 +160,7 @@ def test_server_cpu_seconds_count_every_process_of_its_group():
               "        self.send_response(200); self.end_headers()\n"
               "    def log_message(self, *a): pass\n"
               "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
-    port = serve_bench._free_port()
+    port = free_port()
     with serve_bench.started_server([sys.executable, "-c", script, str(port)], port, timeout=30) as url:
         group = serve_bench.SERVER_GROUPS[url]
         deadline = time.monotonic() + 30

@@ -38,12 +38,13 @@ def test_serve_bad_values_exit_2(capsys: pytest.CaptureFixture[str], argv: list[
     assert err.startswith("flashpage serve: error:") and message in err
 
 
-def test_tp_rendezvous_port_is_never_the_http_port(monkeypatch) -> None:
-    """`serve -tp N` picks torchrun's rendezvous port with bind(0); the kernel can hand back a port just
-    released (the HTTP port a caller probed as free), so that one is skipped."""
-    from flashpage.serve import tp
+def test_free_port_skips_ports_already_handed_out(monkeypatch) -> None:
+    """`serve -tp N` picks torchrun's rendezvous port with bind(0) (and the vLLM serve bench two server ports);
+    the kernel can hand back a port just released (the HTTP port a caller probed as free), so that one is
+    skipped."""
+    from flashpage.serve import ports
 
-    ports = iter([5000, 5000, 5001])
+    handed = iter([5000, 5000, 5001])
 
     class FakeSocket:
         def __enter__(self):
@@ -56,7 +57,7 @@ def test_tp_rendezvous_port_is_never_the_http_port(monkeypatch) -> None:
             pass
 
         def getsockname(self):
-            return ("127.0.0.1", next(ports))
+            return ("127.0.0.1", next(handed))
 
-    monkeypatch.setattr(tp.socket, "socket", FakeSocket)
-    assert tp.rendezvous_port(5000) == 5001
+    monkeypatch.setattr(ports.socket, "socket", FakeSocket)
+    assert ports.free_port(avoid=(5000,)) == 5001

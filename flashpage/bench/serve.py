@@ -24,7 +24,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from typing import Any
 import httpx
 
 from flashpage.errors import install_hint
+from flashpage.serve.ports import free_port
 
 WORDS = ("the list module returns a new value of each object in the file when the function is called with "
          "an optional argument that must be a string or bytes and raises an exception if the key is not found "
@@ -167,12 +167,6 @@ def bench_server(url: str, model: str, prompts: list[str], rates: list[float], m
 
 
 # ------------------------------------------------------------------------------------ server side
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 SERVER_GROUPS: dict[str, int] = {}  # base URL -> process group of a server started_server() runs
 
 
@@ -309,7 +303,7 @@ def run(base_url: str | None = None, model: str | None = None, rates: list[float
         rows, fp_texts = bench_server(base_url.rstrip("/"), name, prompts, rates, max_tokens, seed, "flashpage")
     else:
         _log("starting flashpage serve ...")
-        with started_server(_flashpage_cmd(model, port := _free_port()), port, {"OMP_NUM_THREADS": "1"}) as url:
+        with started_server(_flashpage_cmd(model, port := free_port()), port, {"OMP_NUM_THREADS": "1"}) as url:
             rows, fp_texts = bench_server(url, name, prompts, rates, max_tokens, seed, "flashpage")
     result["systems"]["flashpage"] = rows
     result["outputs_agree"] = None
@@ -317,7 +311,7 @@ def run(base_url: str | None = None, model: str | None = None, rates: list[float
         result["transformers_note"] = "skipped (--no-transformers)"
         return result
     path = model or str(tiny_model_path())
-    cmd = _transformers_cmd(path, port := _free_port())
+    cmd = _transformers_cmd(path, port := free_port())
     if isinstance(cmd, str):
         result["transformers_note"] = f"transformers serve not run: {cmd}"
         return result

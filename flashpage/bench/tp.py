@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from flashpage.serve.ports import free_port
 
 BLOCK_SIZE = 16
 WORKLOAD = {"quick": (8, 32, 64, 32), "full": (16, 64, 128, 64)}  # requests, prompt min/max, new tokens
@@ -63,7 +64,7 @@ def _launch(size: int, model_name: str | None, quick: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="flashpage-bench-tp-") as tmp:
         out = Path(tmp, "result.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(size), "--master-addr",
-               "127.0.0.1", "--master-port", str(_free_port()), "-m", "flashpage.bench.tp", "--out", str(out)]
+               "127.0.0.1", "--master-port", str(free_port()), "-m", "flashpage.bench.tp", "--out", str(out)]
         cmd += (["--model", model_name] if model_name else []) + (["--quick"] if quick else [])
         print(f"flashpage bench tp: {size} rank(s) ...", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, timeout=1800, check=False)
@@ -71,12 +72,6 @@ def _launch(size: int, model_name: str | None, quick: bool) -> dict[str, Any]:
             raise RuntimeError(f"flashpage bench tp: the {size}-rank torchrun failed (exit {proc.returncode}); "
                                "its output is above")
         return json.loads(out.read_text())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_rank(model_name: str | None, quick: bool) -> dict[str, Any]:

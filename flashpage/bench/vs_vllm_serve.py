@@ -45,6 +45,7 @@ from typing import Any
 from flashpage.bench import serve as serve_bench
 from flashpage.bench.models import load_average
 from flashpage.bench.vs_vllm import Settings, _vllm_env, check_vllm_python, flashpage_bind_spec
+from flashpage.serve.ports import free_port
 
 SERVED_NAME = "bench-model"
 FLOAT32_BYTES = 4  # both servers run float32
@@ -172,7 +173,8 @@ def run(vllm_python: str | None, model: str | None = None, rates: list[float] | 
     max_len = max_model_len(model_dir)
     prompts = serve_bench.make_prompts(num_prompts, seed)
     threads = str(settings.threads)
-    fp_port, vl_port = serve_bench._free_port(), serve_bench._free_port()
+    fp_port = free_port()
+    vl_port = free_port(avoid=(fp_port,))  # both servers start later: the second probe may see the first port free
     _log(f"vLLM {version}; model {model_dir}; KV pool {kv_bytes} bytes each; starting both servers ...")
     per_rate: list[tuple[list[dict[str, Any]], list[dict[str, Any]], list[str | None], list[str | None]]] = [
         ([], [], [], []) for _ in rates]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from flashpage.serve.ports import free_port
 from flashpage.serve.server import ServeOptions
 
 PID_FILE_ENV = "FLASHPAGE_SERVE_RANK0_PID_FILE"  # where rank 0 writes its pid for relaunch()'s signals
@@ -36,22 +36,10 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def rendezvous_port(avoid: int) -> int:
-    """A free loopback port for torchrun's rendezvous other than ``avoid`` (the HTTP port rank 0 is about to
-    bind: the kernel may hand a port that was just released, such as one a caller probed as free, back to the
-    next ``bind(0)``, and the rendezvous store would then hold the server's port)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port != avoid:
-            return port
-
-
 def relaunch(size: int, argv: list[str], http_port: int) -> int:
     """Run ``flashpage <argv>`` as ``size`` ranks under torchrun on this machine (rank 0 serving HTTP on
     ``http_port``); its exit code."""
-    port = rendezvous_port(http_port)
+    port = free_port(avoid=(http_port,))  # the rendezvous store must not take the HTTP port rank 0 binds
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(size), "--master-addr",
            "127.0.0.1", "--master-port", str(port), "-m", "flashpage.cli", *argv]
     with tempfile.TemporaryDirectory(prefix="flashpage-serve-tp-") as tmp:

@@ -3,6 +3,7 @@ the labelled regions catch the real model's parts and are all undone."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -44,3 +45,36 @@ def test_labelled_regions_see_every_part_and_are_undone(model):
         assert llm.sampler is sampler and "schedule" not in vars(llm.scheduler) and "plan" not in vars(llm.kv)
     finally:
         unpatch(model)
+
+
+def test_labelled_regions_label_the_flat_eager_step(model):
+    """The flat step binds module forwards when built: the breakdown rebuilds it on the labelled ones, so
+    its linears, norms and attention are not counted as 'other ops'; the engine's own flat step comes back."""
+    llm = LLM(model, max_num_seqs=4)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    try:
+        llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)  # its second step verifies the flat step
+        flat, flat_steps = llm._flat, llm.stats().flat_steps
+        assert flat is not None and flat.usable() and flat_steps > 0, llm.flat_step
+        with breakdown.labelled_regions(llm), torch.profiler.profile() as prof:
+            start = time.perf_counter()
+            llm.generate([[9, 10, 11, 12, 13]], params, use_tqdm=False)
+            wall_us = (time.perf_counter() - start) * 1e6
+        assert llm.stats().flat_steps >= flat_steps + 3 and llm._flat is flat
+        names = {e.name for e in prof.events()}
+        assert {"fp::linear", "fp::attention", "fp::norm", "fp::rotary", "fp::act"} <= names
+        totals = breakdown.attribute(prof.events(), wall_us)
+        assert totals["linears"] > totals["other ops"] and totals["attention"] > 0
+    finally:
+        unpatch(model)
+
+
+def test_vllm_categories_count_the_lm_head_as_a_linear():
+    """vLLM computes logits after its model's forward (compute_logits): that GEMM is a linear, not 'other ops'."""
+    from flashpage.bench import vllm_runner
+
+    assert vllm_runner._category("_C::onednn_mm", None) == "linears"
+    assert vllm_runner._category("_C::onednn_mm", "vl::model") == "linears"
+    assert vllm_runner._category("_C::cpu_attention_with_kv_cache", "vl::model") == "attention"
+    assert vllm_runner._category("aten::index", None) == "other ops"
+    assert vllm_runner._category("aten::argmax", "vl::sampler") == "sampler"

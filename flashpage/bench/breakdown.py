@@ -68,6 +68,7 @@ def labelled_regions(llm: Any) -> Iterator[None]:
     from transformers import AttentionInterface
 
     from flashpage.patches import ATTN_NAME, HFPagedCache
+    from flashpage.plan import DeviceStep
 
     undo: list[Callable[[], None]] = []
 
@@ -85,6 +86,7 @@ def labelled_regions(llm: Any) -> Iterator[None]:
     AttentionInterface.register(ATTN_NAME, _labelled("fp::attention", attn))
     undo.append(lambda: AttentionInterface.register(ATTN_NAME, attn))
     swap(HFPagedCache, "update", "fp::attention")
+    swap(DeviceStep, "attend", "fp::attention")  # the flat eager step calls it directly
     rotary_fns = []
     for mod in list(sys.modules.values()):
         fn = getattr(mod, "apply_rotary_pos_emb", None)
@@ -97,11 +99,28 @@ def labelled_regions(llm: Any) -> Iterator[None]:
     swap(llm.scheduler, "schedule", "fp::schedule")
     swap(llm.kv, "plan", "fp::schedule")
     swap(llm._cache, "set_plan", "fp::schedule")
+    undo += _relabelled_flat_step(llm)
     try:
         yield
     finally:
         for fn in reversed(undo):
             fn()
+
+
+def _relabelled_flat_step(llm: Any) -> list[Callable[[], None]]:
+    """Rebuild the engine's verified flat eager step (engine/flat.py) on the labelled module forwards: it binds
+    each module's ``forward`` when built, so the one in use calls the unlabelled ones. Returns its undo."""
+    from flashpage.engine.flat import FlatDecoder, flat_decoder
+
+    old = getattr(llm, "_flat", None)
+    if old is None or not old.usable():
+        return []
+    new = flat_decoder(llm.model)
+    if not isinstance(new, FlatDecoder) or new.modules != old.modules:
+        raise RuntimeError(f"bench breakdown: the flat eager step could not be rebuilt on labelled modules ({new})")
+    new.options, new.verified = old.options, True  # the same modules, now behind record_function labels
+    llm._flat = new
+    return [lambda: setattr(llm, "_flat", old)]
 
 
 def attribute(events: Any, wall_us: float) -> dict[str, float]:

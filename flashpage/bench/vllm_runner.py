@@ -56,13 +56,14 @@ def _category(name: str, region: str | None) -> str:
         return "sampler"
     if region == "vl::schedule":
         return "scheduler + inputs"
+    linear = any(op in low.split("::")[-1] for op in _LINEAR_OPS)
     if region == "vl::model":
         if "attention" in low or "attn" in low or "paged" in low:
             return "attention"
-        if any(op in low.split("::")[-1] for op in _LINEAR_OPS):
+        if linear:
             return "linears"
         return "norms/rotary/activations"  # what else runs in the model: fused elementwise kernels
-    return "other ops"
+    return "linears" if linear else "other ops"  # the LM head runs after the model's forward (compute_logits)
 
 
 def _attribute(events, wall_us: float) -> dict:

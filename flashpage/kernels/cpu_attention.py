@@ -44,10 +44,10 @@ ENV = "FLASHPAGE_CPU_ATTENTION"  # "reference" forces the PyTorch path; anything
 CASCADE_ENV = "FLASHPAGE_CPU_CASCADE"
 _CASCADE = os.environ.get(CASCADE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 _DTYPES = (torch.float32, torch.float64)
-_VERSION = 13  # bump when the C++ source changes meaning (the source hash also rebuilds)
+_VERSION = 14  # bump when the C++ source changes meaning (the source hash also rebuilds)
 
-# Cephes' expf polynomial (about 1 ulp on [-87.3, 88.3], which callers clamp x to), one float and 16
-# lanes; this kernel's source and cpu_fused's both include it (after their headers).
+# Cephes' expf polynomial (about 1 ulp on [-87.3, 88.3], which callers clamp x to), one float, 16 lanes
+# (AVX-512) and 8 (AVX2 + FMA); this kernel's source and cpu_fused's both include it (after their headers).
 EXP_CPP = r"""
 inline float exp_poly(float x) {
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
@@ -79,6 +79,24 @@ inline __m512 exp_poly16(__m512 x) {
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
   y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(y, n);  // y * 2^n
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The same polynomial on 8 lanes (AVX2 + FMA); x in [-87.3, 88.3], so 2^n is a normal float built from its bits.
+inline __m256 exp_poly8(__m256 x) {
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // x - n ln2, in two parts
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));  // y * 2^n
 }
 #endif
 """
@@ -169,6 +187,95 @@ inline void qk_rows_avx2(const float* q, int64_t rows, const float* k, int64_t k
     }
     for (; j < n; ++j) sr[j] = dot(qr, k + j * ks, d);
   }
+}
+
+// o (R rows, row stride dv) += p (R rows, row stride n) . V (n rows at stride vs), float32 AVX2 + FMA: the R rows'
+// accumulators for 16 (then 8) columns stay in registers over the keys; each value vector is loaded once for
+// the R rows.
+template <int R>
+inline void pv_avx2(float* o, const float* p, const float* v, int64_t vs, int64_t n, int64_t dv) {
+  int64_t x = 0;
+  for (; x + 16 <= dv; x += 16) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm256_loadu_ps(o + r * dv + x);
+      acc[r][1] = _mm256_loadu_ps(o + r * dv + x + 8);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(v + j * vs + x), v1 = _mm256_loadu_ps(v + j * vs + x + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pb = _mm256_broadcast_ss(p + r * n + j);
+        acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(o + r * dv + x, acc[r][0]);
+      _mm256_storeu_ps(o + r * dv + x + 8, acc[r][1]);
+    }
+  }
+  for (; x + 8 <= dv; x += 8) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_loadu_ps(o + r * dv + x);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(v + j * vs + x);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * n + j), v0, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(o + r * dv + x, acc[r]);
+  }
+  for (; x < dv; ++x)
+    for (int r = 0; r < R; ++r) {
+      float acc = o[r * dv + x];
+      for (int64_t j = 0; j < n; ++j) acc += p[r * n + j] * v[j * vs + x];
+      o[r * dv + x] = acc;
+    }
+}
+
+inline void pv_rows_avx2(float* o, const float* p, const float* v, int64_t vs, int64_t rows, int64_t n, int64_t dv) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) pv_avx2<4>(o + r * dv, p + r * n, v, vs, n, dv);
+  for (; r + 2 <= rows; r += 2) pv_avx2<2>(o + r * dv, p + r * n, v, vs, n, dv);
+  for (; r < rows; ++r) pv_avx2<1>(o + r * dv, p + r * n, v, vs, n, dv);
+}
+
+inline float hmax8(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum8(__m256 x) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// max of s[0, n)
+inline float max_avx2(const float* s, int64_t n) {
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
+  float m = hmax8(vmax);
+  for (; j < n; ++j) m = std::max(m, s[j]);
+  return m;
+}
+
+// s[j] = exp(s[j] - m) (s[j] <= m) for j < n; returns their sum (8 lanes, then the tail).
+inline float exp_shifted_avx2(float* s, int64_t n, float m) {
+  const __m256 vm = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.3f);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp_poly8(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm), lo));
+    _mm256_storeu_ps(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = hsum8(sum);
+  for (; j < n; ++j) {
+    s[j] = exp_poly(std::max(s[j] - m, -87.3f));
+    total += s[j];
+  }
+  return total;
 }
 #endif
 
@@ -300,8 +407,24 @@ void finish_tile(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, int64_t i0
 
 // Online-softmax update of row r with scores s[0, n) (softcap already applied): s becomes the
 // probabilities relative to the new running max; acc row is rescaled when the max grows.
+// `vec`: float32 takes the 8-lane max and exp (AVX2 + FMA builds).
 template <typename T>
-inline void softmax_update(Work<T>& w, int64_t r, int64_t dv, T* s, int64_t n) {
+inline void softmax_update(Work<T>& w, int64_t r, int64_t dv, T* s, int64_t n, bool vec = false) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (vec) {
+      const float cmax = max_avx2(s, n);
+      if (cmax > w.m[r]) {
+        const float alpha = std::exp(w.m[r] - cmax);
+        w.l[r] *= alpha;
+        scale_row(w.acc.data() + r * dv, alpha, dv);
+        w.m[r] = cmax;
+      }
+      w.l[r] += exp_shifted_avx2(s, n, w.m[r]);
+      return;
+    }
+  }
+#endif
   T cmax = -std::numeric_limits<T>::infinity();
   for (int64_t j = 0; j < n; ++j) cmax = std::max(cmax, s[j]);
   if (cmax > w.m[r]) {
@@ -347,9 +470,21 @@ inline bool qk_rows_vec(bool vec, const T* q, int64_t rows, const T* k, int64_t 
   return false;
 }
 
-// Rows i0 .. i1-1 of sequence b, KV head hk, every head of the group. Few rows (decodes): scalar
-// loops per key. Many rows (prefill tiles): one GEMM per page for Q.K^T and one for P.V, on the
-// pages in place (strided views, no copy).
+// o (rows, row stride dv) += p (rows, row stride n) . V through the AVX2 loop (float32, `vec`), else the portable one.
+template <typename T>
+inline void pv_rows_vec(bool vec, T* o, const T* p, const T* v, int64_t vs, int64_t rows, int64_t n, int64_t dv) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (vec) return pv_rows_avx2(o, p, v, vs, rows, n, dv);
+  }
+#endif
+  for (int64_t g = 0; g < rows; g += 8) pv_rows(o + g * dv, p + g * n, v, vs, std::min<int64_t>(8, rows - g), n, dv);
+}
+
+// Rows i0 .. i1-1 of sequence b, KV head hk, every head of the group. Few rows (decodes): loops per key,
+// 8-lane AVX2 scores, softmax and P.V where `vec` (float32 on an AVX2 + FMA build), scalar otherwise. Many
+// rows (prefill tiles): one GEMM per page for Q.K^T and one for P.V, on the pages in place (strided views, no
+// copy), the softmax as for decodes.
 template <typename T>
 void attend_tile(const Args<T>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1, Work<T>& w, bool vec) {
   const int64_t group = a.heads / a.kv_heads, d = a.d, dv = a.dv;
@@ -390,7 +525,7 @@ void attend_tile(const Args<T>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1
           }
           if (a.softcap > 0)
             for (int64_t j = s0 - j0; j < s1 - j0; ++j) srow[j] = a.softcap * std::tanh(srow[j]);
-          softmax_update(w, r, dv, srow + (s0 - j0), s1 - s0);
+          softmax_update(w, r, dv, srow + (s0 - j0), s1 - s0, vec);
           std::fill(srow, srow + (s0 - j0), T(0));
           std::fill(srow + (s1 - j0), srow + n, T(0));
         }
@@ -410,12 +545,8 @@ void attend_tile(const Args<T>& a, int64_t b, int64_t hk, int64_t i0, int64_t i1
           for (int64_t g = 0; g < group; ++g) w.s[g * n_i + j] = dot(w.q.data() + (r0 + g) * d, kj0 + j * a.k_p, d);
       if (a.softcap > 0)
         for (int64_t x = 0; x < group * n_i; ++x) w.s[x] = a.softcap * std::tanh(w.s[x]);
-      for (int64_t g = 0; g < group; ++g) softmax_update(w, r0 + g, dv, w.s.data() + g * n_i, n_i);
-      for (int64_t g = 0; g < group; g += 8) {
-        const int64_t rows_g = std::min<int64_t>(8, group - g);
-        pv_rows(w.acc.data() + (r0 + g) * dv, w.s.data() + g * n_i, v0 + (s0 - j0) * a.v_p, a.v_p, rows_g, n_i,
-                dv);
-      }
+      for (int64_t g = 0; g < group; ++g) softmax_update(w, r0 + g, dv, w.s.data() + g * n_i, n_i, vec);
+      pv_rows_vec(vec, w.acc.data() + r0 * dv, w.s.data(), v0 + (s0 - j0) * a.v_p, a.v_p, group, n_i, dv);
     }
   }
   finish_tile(a, b, hk, hk + 1, i0, i1, w);

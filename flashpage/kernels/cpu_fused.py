@@ -19,7 +19,8 @@ three or four per tensor. These ops do each in one pass per row, ``at::parallel_
   still read them), laid out (B, L, H, D) in memory whatever the logical order, so the attention's
   transpose back to packed (T, H, D) rows is a view.
 
-float32 takes AVX-512 where the build has ``__AVX512F__`` and portable loops otherwise; float64 the
+float32 takes AVX-512 where the build has ``__AVX512F__``, 8-lane AVX2 + FMA for act_and_mul where it has those
+(RMSNorm's and rotary's portable loops vectorize as they are), and portable loops otherwise; float64 the
 portable loops. Results differ from torch's ops by float32 rounding only. Built like
 :mod:`flashpage.kernels.cpu_attention` (whose tool checks it reuses): ``load_inline`` into torch's
 extension cache on first use (under a minute), one warning and ``None`` from :func:`load` without a
@@ -41,7 +42,7 @@ from flashpage.kernels.cpu_attention import EXP_CPP, _arch_flags, _missing_tools
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # act_and_mul's codes
 _DTYPES = (torch.float32, torch.float64)
-_VERSION = 2  # bump when the C++ source changes meaning (the source hash also rebuilds)
+_VERSION = 3  # bump when the C++ source changes meaning (the source hash also rebuilds)
 
 _SOURCE = r"""
 #include <ATen/Dispatch.h>
@@ -53,7 +54,7 @@ _SOURCE = r"""
 #include <cstring>
 #include <tuple>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -96,6 +97,21 @@ inline __m512 act16(__m512 g, int act) {
 }
 
 inline __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp8(__m256 x) {
+  return exp_poly8(_mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f)));
+}
+
+inline __m256 act8(__m256 g, int act) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  if (act == 0) return _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+  const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+  const __m256 inner = _mm256_fmadd_ps(_mm256_set1_ps(float(kGeluKappa)), g3, g);
+  const __m256 y = _mm256_mul_ps(_mm256_set1_ps(float(kGeluBeta)), inner);
+  const __m256 e = exp8(_mm256_add_ps(y, y));
+  const __m256 tanh_y = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(one, e)));
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, tanh_y));
+}
 #endif
 
 // ------------------------------------------------------------------------------------------ rms_norm
@@ -206,6 +222,9 @@ void act_mul_row(const float* __restrict g, const float* __restrict u, float* __
                                                   _mm512_maskz_loadu_ps(m, u + i)));
   }
   return;
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(o + i, _mm256_mul_ps(act8(_mm256_loadu_ps(g + i), act), _mm256_loadu_ps(u + i)));
 #endif
   for (; i < n; ++i) o[i] = act_one(g[i], act) * u[i];
 }

@@ -45,6 +45,17 @@ def test_scoped_to_the_engine_step_and_its_thread():
     assert torch.allclose(onednn, plain, atol=1e-5, rtol=1e-5)
 
 
+def test_one_row_takes_f_linear_inside_the_scope():
+    """A step of one row (a batch-1 decode) runs MKL's GEMV through F.linear, bit for bit the model's own: oneDNN's
+    per-call cost is larger than the GEMV there (README, Against vLLM)."""
+    layer = _layer()
+    row, rows = torch.randn(1, 1, 64), torch.randn(1, 2, 64)
+    with linears.onednn_scope():
+        assert torch.equal(layer(row), F.linear(row, layer.weight, layer.bias))
+        assert torch.equal(layer(rows), torch.ops.mkldnn._linear_pointwise(rows, layer.weight, layer.bias, "none",
+                                                                            [], ""))
+
+
 def test_switch_off_and_ineligible_layers(monkeypatch):
     monkeypatch.setenv(linears.ENV, "torch")
     assert linears.install_onednn_linears(torch.nn.Sequential(torch.nn.Linear(4, 4))) == 0

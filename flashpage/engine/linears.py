@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 _STATE = threading.local()
 ENV = "FLASHPAGE_CPU_LINEAR"
+ONE_ROW_GEMV = True  # one-row steps keep F.linear (see the module docstring); an A/B switch for benchmarks
 
 
 def _active() -> bool:
@@ -58,7 +59,7 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if _COMPILED_ONEDNN and x.dtype == torch.float32:
             return onednn_linear_op(x, self.weight, self.bias)
     elif _active() and x.dtype == torch.float32:
-        if x.numel() == x.shape[-1]:  # one row (a batch-1 decode): MKL's GEMV, no oneDNN call overhead
+        if ONE_ROW_GEMV and x.numel() == x.shape[-1]:  # one row (a batch-1 decode): MKL's GEMV, no oneDNN overhead
             return F.linear(x, self.weight, self.bias)
         packs = _STATE.packs
         if packs is not None:

@@ -142,6 +142,25 @@ def test_rotary_matches_float64_in_both_layouts(ops, batch, length, heads, kv_he
     assert torch.equal(qkv, before), "the inputs are never written"
 
 
+@SETTINGS
+@given(lead=st.lists(st.integers(1, 3), min_size=0, max_size=2), rows=st.integers(0, 5),
+       k=st.sampled_from([1, 7, 8, 16, 24, 100, 256]), n=st.sampled_from([1, 5, 8, 13, 64, 130]),
+       bias=st.booleans(), layout=st.sampled_from(["dense", "slice"]), seed=st.integers(0, 999))
+def test_small_linear_matches_float64(ops, lead, rows, k, n, bias, layout, seed):
+    """Every (rows, K, N): multiples of 8 take the vector loop, the rest (and the portable build) one dot per
+    output; x may be a non-contiguous view (copied), a bias is added; float32 only."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, rows, k + (3 if layout == "slice" else 0), generator=g)[..., :k]
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = cpu_fused.small_linear(ops, x, w, b)
+    want = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    assert got.shape == (*lead, rows, n) and got.is_contiguous()
+    err = (got.double() - want).abs()
+    bound = 1e-6 * (x.double().abs() @ w.double().abs().T + 1) * 4
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3g}"
+
+
 def test_bad_shapes_name_the_problem(ops):
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match=r"rms_norm: x \(\.\.\., D\) and w \(D,\)"):
@@ -150,6 +169,12 @@ def test_bad_shapes_name_the_problem(ops):
         cpu_fused.rms_norm(ops, x.half(), torch.randn(8).half(), 1e-6)
     with pytest.raises(RuntimeError, match="act_and_mul: gate and up of one shape"):
         cpu_fused.act_and_mul(ops, x, torch.randn(4, 9))
+    with pytest.raises(RuntimeError, match=r"small_linear: x \(\.\.\., K\) and w \(N, K\)"):
+        cpu_fused.small_linear(ops, x, torch.randn(3, 7))
+    with pytest.raises(RuntimeError, match="small_linear: float32 x and w"):
+        cpu_fused.small_linear(ops, x.double(), torch.randn(3, 8).double())
+    with pytest.raises(RuntimeError, match=r"small_linear: bias \(N,\) float32"):
+        cpu_fused.small_linear(ops, x, torch.randn(3, 8), torch.randn(4))
     q, cos = torch.randn(1, 2, 3, 6), torch.randn(1, 3, 6)
     with pytest.raises(RuntimeError, match="rotary: the head dim must be even"):
         cpu_fused.rotary(ops, q[..., :5], q[..., :5], cos[..., :5], cos[..., :5])

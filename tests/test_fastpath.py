@@ -187,7 +187,8 @@ def _counted_ops(calls: dict[str, int]) -> cpu_fused.Ops | None:
             calls[name] += 1
             return fn(*args)
         return wrapper
-    return cpu_fused.Ops(*(counted(f, getattr(real, f)) for f in ("rms_norm", "act_and_mul", "rotary")))
+    return cpu_fused.Ops(*(counted(f, getattr(real, f)) for f in ("rms_norm", "act_and_mul", "rotary",
+                                                                           "small_linear")))
 
 
 @pytest.mark.parametrize(("model_type", "ops"), CASES)

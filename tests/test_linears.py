@@ -45,15 +45,30 @@ def test_scoped_to_the_engine_step_and_its_thread():
     assert torch.allclose(onednn, plain, atol=1e-5, rtol=1e-5)
 
 
-def test_one_row_takes_f_linear_inside_the_scope():
-    """A step of one row (a batch-1 decode) runs MKL's GEMV through F.linear, bit for bit the model's own: oneDNN's
-    per-call cost is larger than the GEMV there (README, Against vLLM)."""
+def test_few_rows_skip_onednn_inside_the_scope(monkeypatch):
+    """A step of at most SMALL_ROWS rows (decodes of one to four sequences) takes the C++ small-M kernel once the
+    fused ops are loaded, else F.linear for one row (MKL's GEMV); more rows take oneDNN (README, Against vLLM)."""
+    from flashpage.kernels import cpu_fused
+
     layer = _layer()
-    row, rows = torch.randn(1, 1, 64), torch.randn(1, 2, 64)
+    few, one = torch.randn(1, linears.SMALL_ROWS, 64), torch.randn(1, 1, 64)
+    many = torch.randn(1, linears.SMALL_ROWS + 1, 64)
+    monkeypatch.setattr(cpu_fused, "loaded", lambda: None)
     with linears.onednn_scope():
-        assert torch.equal(layer(row), F.linear(row, layer.weight, layer.bias))
-        assert torch.equal(layer(rows), torch.ops.mkldnn._linear_pointwise(rows, layer.weight, layer.bias, "none",
+        assert torch.equal(layer(one), F.linear(one, layer.weight, layer.bias))
+        assert torch.equal(layer(few), torch.ops.mkldnn._linear_pointwise(few, layer.weight, layer.bias, "none",
+                                                                           [], ""))
+    monkeypatch.undo()
+    ops = cpu_fused.load()
+    if ops is None:
+        pytest.skip("no C++ compiler here: the small-M kernel is not built")
+    with linears.onednn_scope():
+        assert torch.equal(layer(few), ops.small_linear(few, layer.weight, layer.bias))
+        assert torch.equal(layer(one), ops.small_linear(one, layer.weight, layer.bias))
+        assert torch.equal(layer(many), torch.ops.mkldnn._linear_pointwise(many, layer.weight, layer.bias, "none",
                                                                             [], ""))
+    assert torch.allclose(ops.small_linear(few, layer.weight, layer.bias), F.linear(few, layer.weight, layer.bias),
+                          atol=1e-5, rtol=1e-5)
 
 
 def test_switch_off_and_ineligible_layers(monkeypatch):

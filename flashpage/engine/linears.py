@@ -13,9 +13,12 @@ other than the engine's: inductor cannot lower the op on non-constant weights), 
 the engine computes exactly what it did. A compiled engine step traces them to the opaque
 ``flashpage::onednn_linear`` op (:func:`compiled_scope`). Results differ from MKL's by float32
 rounding (~1e-6 relative), like any two GEMM libraries. ``FLASHPAGE_CPU_LINEAR=torch`` turns it off.
-A step of one row (a batch-1 decode) keeps ``F.linear``: MKL's GEMV there beats oneDNN, whose call costs
-about 25 us more (hidden 256, 1 thread, AMD EPYC: q/k/v 16.5 vs 40 us, o 9 vs 32 us), and is bit for bit
-the model's own result.
+A step of at most :data:`SMALL_ROWS` rows (decodes of one to four sequences) skips oneDNN, whose call costs
+about 25 us more than the work at hidden 256: it runs :mod:`flashpage.kernels.cpu_fused`'s ``small_linear``
+(each weight row read once for all rows, AVX2 + FMA) when those ops are loaded, else ``F.linear`` for one row
+(MKL's GEMV). Measured, 1 thread, AMD EPYC (AVX2), us per call, oneDNN packed / F.linear / small_linear:
+hidden 256, one row: q/k/v 40 / 16 / 11, gate/up 57 / 39 / 25, LM head (4096) 113 / 108 / 65; four rows:
+q/k/v 49 / 37 / 20, gate/up 86 / 99 / 51; hidden 512, four rows: gate/up 256 / 372 / 189, down 137 / 162 / 140.
 
 Packed and fused weights (:class:`Prepacked`, ``LLM(cpu_prepack=...)``): as vLLM's CPU backend, the
 engine keeps each weight in oneDNN's blocked layout (packed once, not reordered on every call), and
@@ -38,9 +41,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flashpage.kernels import cpu_fused
+
 _STATE = threading.local()
 ENV = "FLASHPAGE_CPU_LINEAR"
-ONE_ROW_GEMV = True  # one-row steps keep F.linear (see the module docstring); an A/B switch for benchmarks
+SMALL_ROWS = 4  # steps of at most this many rows skip oneDNN (see the module docstring); 0: never (an A/B switch)
 
 
 def _active() -> bool:
@@ -52,6 +57,17 @@ def _linear_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
 
 
+def _few_rows(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
+    """(..., in) with at most SMALL_ROWS rows -> (..., out) through the C++ small-M kernel (once the fused ops are
+    loaded), or F.linear (MKL's GEMV) for one row; None: the caller's oneDNN call."""
+    ops = cpu_fused.loaded()
+    if ops is not None and module.weight.is_contiguous():
+        return ops.small_linear(x, module.weight, module.bias)
+    if x.numel() == x.shape[-1]:
+        return F.linear(x, module.weight, module.bias)
+    return None
+
+
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """(..., in) -> (..., out): oneDNN inside an engine step on this thread (traced: inside a compiled
     engine step, as an opaque op), else F.linear."""
@@ -59,8 +75,10 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if _COMPILED_ONEDNN and x.dtype == torch.float32:
             return onednn_linear_op(x, self.weight, self.bias)
     elif _active() and x.dtype == torch.float32:
-        if ONE_ROW_GEMV and x.numel() == x.shape[-1]:  # one row (a batch-1 decode): MKL's GEMV, no oneDNN overhead
-            return F.linear(x, self.weight, self.bias)
+        if x.numel() <= SMALL_ROWS * x.shape[-1]:  # decodes of one to a few sequences: no oneDNN call overhead
+            out = _few_rows(self, x)
+            if out is not None:
+                return out
         packs = _STATE.packs
         if packs is not None:
             out = packs.linear(self, x)

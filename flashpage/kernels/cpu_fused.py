@@ -1,4 +1,5 @@
-"""One-pass C++ CPU ops for the engine's eager step: RMSNorm, activation-and-product, rotary (optional).
+"""One-pass C++ CPU ops for the engine's eager step: RMSNorm, activation-and-product, small-M linear, rotary
+(optional).
 
 An eager float32 RMSNorm is five or six ATen passes over the hidden state (pow, mean, add, rsqrt, mul,
 mul), ``silu(gate) * up`` two (three with the allocation of the activation), the half-rotation RoPE
@@ -13,6 +14,11 @@ three or four per tensor. These ops do each in one pass per row, ``at::parallel_
   may be row-strided views (the two halves of one fused gate|up GEMM output). ``act``: "silu"
   (``g / (1 + exp(-g))``) or "gelu_tanh" (``g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3)))``,
   tanh as ``1 - 2 / (1 + exp(2y))``); float32 exp is Cephes' polynomial (about 1 ulp).
+- :func:`small_linear`: x (..., K) with a few rows (decode steps of one to four sequences), w (N, K), bias
+  -> ``x @ w.T + bias`` (..., N), float32: each weight row read from memory once for all rows (AVX2 + FMA:
+  eight weight rows at a time, eight 8-lane partial sums reduced by one ``hadd`` tree; portable: one dot per
+  output). For the engine's linears where oneDNN's per-call cost exceeds the work
+  (:mod:`flashpage.engine.linears`).
 - :func:`rotary`: q (B, H, L, D), k (B, Hk, L, D) with cos / sin (B, L, D) (``unsqueeze_dim=1``), or
   q (B, L, H, D) with ``unsqueeze_dim=2``; D even, any strides with a contiguous last dim:
   ``x * cos + rotate_half(x) * sin`` for both, as new tensors (the inputs are never written: a model may
@@ -42,7 +48,7 @@ from flashpage.kernels.cpu_attention import EXP_CPP, _arch_flags, _missing_tools
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # act_and_mul's codes
 _DTYPES = (torch.float32, torch.float64)
-_VERSION = 3  # bump when the C++ source changes meaning (the source hash also rebuilds)
+_VERSION = 4  # bump when the C++ source changes meaning (the source hash also rebuilds)
 
 _SOURCE = r"""
 #include <ATen/Dispatch.h>
@@ -50,6 +56,7 @@ _SOURCE = r"""
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -257,6 +264,74 @@ at::Tensor act_and_mul(const at::Tensor& gate, const at::Tensor& up, int64_t act
   return out;
 }
 
+// ------------------------------------------------------------------------------------- small_linear
+// out rows [0, m) x columns [j0, j1) of x (m, k) . w (n, k)^T, float32. AVX2 + FMA (k % 8 == 0): eight weight
+// rows at a time, each dotted with every row of x while the eight are in cache (each weight read from memory
+// once per call), eight 8-lane partial sums reduced together by one hadd tree; the rest one dot per output.
+void small_linear_cols(const float* x, int64_t m, const float* w, int64_t k, float* out, int64_t n, int64_t j0,
+                       int64_t j1) {
+  int64_t j = j0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (k % 8 == 0) {
+    for (; j + 8 <= j1; j += 8) {
+      const float* wj = w + j * k;
+      for (int64_t r = 0; r < m; ++r) {
+        const float* xr = x + r * k;
+        __m256 acc[8];
+        for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < k; c += 8) {
+          const __m256 xv = _mm256_loadu_ps(xr + c);
+          for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wj + u * k + c), acc[u]);
+        }
+        const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+        const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+        const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+        _mm256_storeu_ps(out + r * n + j, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                                        _mm256_permute2f128_ps(u0, u1, 0x31)));
+      }
+    }
+  }
+#endif
+  for (; j < j1; ++j)
+    for (int64_t r = 0; r < m; ++r) {
+      float acc[8] = {};
+      int64_t c = 0;
+      for (; c + 8 <= k; c += 8)
+        for (int u = 0; u < 8; ++u) acc[u] += x[r * k + c + u] * w[j * k + c + u];
+      float total = 0;
+      for (int u = 0; u < 8; ++u) total += acc[u];
+      for (; c < k; ++c) total += x[r * k + c] * w[j * k + c];
+      out[r * n + j] = total;
+    }
+}
+
+// x (..., K) float32 with few rows, w (N, K), bias (N,) or None -> (..., N): a GEMM with a handful of rows
+// (decode steps of one to a few sequences), where the weights' memory traffic is the cost.
+at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() >= 1 && w_in.dim() == 2 && w_in.size(1) == x_in.size(-1),
+              "small_linear: x (..., K) and w (N, K) expected, got ", x_in.sizes(), " and ", w_in.sizes());
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat,
+              "small_linear: float32 x and w expected");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t k = w.size(0) == 0 ? 0 : w.size(1), n = w.size(0), m = k == 0 ? 0 : x.numel() / k;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, x.options());
+  if (out.numel() == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (n + 7) / 8, 16, [&](int64_t b0, int64_t b1) {
+    small_linear_cols(xp, m, wp, k, op, n, b0 * 8, std::min(n, b1 * 8));
+  });
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat,
+                "small_linear: bias (N,) float32 expected, got ", bias->sizes());
+    out.add_(*bias);
+  }
+  return out;
+}
+
 // ------------------------------------------------------------------------------------------ rotary
 template <typename T>
 inline void rotate_row(const T* __restrict x, const T* __restrict c, const T* __restrict s, T* __restrict o,
@@ -332,6 +407,8 @@ FLASHPAGE_LIBRARY(FLASHPAGE_FUSED_NS, m) {
   m.impl("act_and_mul", c10::DispatchKey::CPU, TORCH_FN(act_and_mul));
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim) -> (Tensor, Tensor)");
   m.impl("rotary", c10::DispatchKey::CPU, TORCH_FN(rotary));
+  m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.impl("small_linear", c10::DispatchKey::CPU, TORCH_FN(small_linear));
 }
 """
 
@@ -343,6 +420,7 @@ class Ops:
     rms_norm: Any
     act_and_mul: Any
     rotary: Any
+    small_linear: Any
 
 
 @dataclass(frozen=True)
@@ -368,7 +446,7 @@ def _build(portable: bool = False) -> Ops:
     jit_build(_build_name(portable), _SOURCE,
               ["-DFLASHPAGE_FUSED_NS=flashpage_fused_portable"] if portable else _arch_flags())
     ns = torch.ops.flashpage_fused_portable if portable else torch.ops.flashpage_fused
-    return Ops(ns.rms_norm.default, ns.act_and_mul.default, ns.rotary.default)
+    return Ops(ns.rms_norm.default, ns.act_and_mul.default, ns.rotary.default, ns.small_linear.default)
 
 
 def load() -> Ops | None:
@@ -436,6 +514,11 @@ def act_and_mul(ops: Ops, gate: torch.Tensor, up: torch.Tensor, act: str = "silu
     """gate, up (..., I) (row-strided views allowed) -> ``act(gate) * up`` (..., I) contiguous;
     ``act`` "silu" or "gelu_tanh"."""
     return ops.act_and_mul(gate, up, ACTIVATIONS[act])
+
+
+def small_linear(ops: Ops, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) float32 with a few rows, w (N, K), bias (N,) or None -> ``x @ w.T + bias`` (..., N)."""
+    return ops.small_linear(x, w, bias)
 
 
 def rotary(ops: Ops, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -46,8 +46,9 @@ _CASCADE = os.environ.get(CASCADE_ENV, "1").strip().lower() not in ("0", "false"
 _DTYPES = (torch.float32, torch.float64)
 _VERSION = 14  # bump when the C++ source changes meaning (the source hash also rebuilds)
 
-# Cephes' expf polynomial (about 1 ulp on [-87.3, 88.3], which callers clamp x to), one float, 16 lanes
-# (AVX-512) and 8 (AVX2 + FMA); this kernel's source and cpu_fused's both include it (after their headers).
+# Cephes' expf polynomial (about 1 ulp on [-87.3, 88.3], which callers clamp x to) on one float, 16 lanes
+# (AVX-512) and 8 (AVX2 + FMA), and the 8x8 horizontal sum of eight dot products (AVX2); this kernel's source
+# and cpu_fused's both include it (after their headers).
 EXP_CPP = r"""
 inline float exp_poly(float x) {
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
@@ -97,6 +98,15 @@ inline __m256 exp_poly8(__m256 x) {
   y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));  // y * 2^n
+}
+
+// acc[u] (u = 0..7) -> one vector whose lane u is the sum of acc[u]'s 8 lanes (eight dot products at once).
+// hadd(a, b) = a01 a23 b01 b23 | a45 a67 b45 b67: two levels give sums 0-3 | 0-3 and 4-7 | 4-7 halves.
+inline __m256 hsum8x8(const __m256* acc) {
+  const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 #endif
 """
@@ -178,12 +188,7 @@ inline void qk_rows_avx2(const float* q, int64_t rows, const float* k, int64_t k
         const __m256 qv = _mm256_loadu_ps(qr + x);
         for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (j + u) * ks + x), acc[u]);
       }
-      // hadd(a, b) = a01 a23 b01 b23 | a45 a67 b45 b67: two levels give keys 0-3 | 0-3 and 4-7 | 4-7 halves
-      const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
-      const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
-      const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-      _mm256_storeu_ps(sr + j, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                                             _mm256_permute2f128_ps(u0, u1, 0x31)));
+      _mm256_storeu_ps(sr + j, hsum8x8(acc));
     }
     for (; j < n; ++j) sr[j] = dot(qr, k + j * ks, d);
   }

@@ -283,11 +283,7 @@ void small_linear_cols(const float* x, int64_t m, const float* w, int64_t k, flo
           const __m256 xv = _mm256_loadu_ps(xr + c);
           for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wj + u * k + c), acc[u]);
         }
-        const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
-        const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
-        const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-        _mm256_storeu_ps(out + r * n + j, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                                                        _mm256_permute2f128_ps(u0, u1, 0x31)));
+        _mm256_storeu_ps(out + r * n + j, hsum8x8(acc));
       }
     }
   }

@@ -76,7 +76,7 @@ def test_probe_does_not_fuse_an_input_written_in_place():
     block.mode = "in_place"
     linears.install_onednn_linears(block)
     packs = linears.Prepacked(block, True)
-    _run(block, packs, torch.randn(6, 16))  # more rows than linears.SMALL_ROWS: a oneDNN step
+    _run(block, packs, torch.randn(3, 16))
     assert packs.fused() == [(block.b, block.c)]  # a saw x before it was doubled
 
 
@@ -170,3 +170,19 @@ def test_bench_linears_runs_and_its_variants_agree(capsys):
     assert runs[0].tokens == runs[1].tokens == runs[2].tokens and runs[0].cpu_s > 0
     cost = bench.pack_cost(model)
     assert cost["fused"] == 2 * model.config.num_hidden_layers and cost["repacked_after_one_edit"] == 1
+
+
+def test_a_first_step_of_few_rows_still_probes():
+    """A first step of at most SMALL_ROWS rows runs the small-M kernel, not the packs; its probe still records
+    the siblings, so the engine packs after its first step whatever its size (and its flat step can verify)."""
+    from flashpage.kernels import cpu_fused
+
+    if cpu_fused.load() is None:
+        pytest.skip("no C++ compiler here: few-row steps take oneDNN, which the probe sees anyway")
+    block = _Block()
+    linears.install_onednn_linears(block)
+    packs = linears.Prepacked(block, True)
+    x = torch.randn(1, linears.SMALL_ROWS, 16)
+    got = _run(block, packs, x)
+    assert packs.state == "packed" and packs.fused() == [(block.a, block.b, block.c)]
+    assert torch.allclose(got, _reference(block, x), atol=1e-5, rtol=1e-5)

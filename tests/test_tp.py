@@ -232,6 +232,7 @@ def test_readme_tensor_parallel_example_runs(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), str(script)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLASHPAGE_TP_TIMEOUT_S": "90"}
+    env.pop("PYTHONUNBUFFERED", None)  # (CI sets it) each print's pieces would be separate writes, interleaved
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # each rank prints "rank kv_heads kv_bytes text"; the sampled text may hold newlines (a line "1 to ...")

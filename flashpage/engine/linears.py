@@ -75,11 +75,13 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if _COMPILED_ONEDNN and x.dtype == torch.float32:
             return onednn_linear_op(x, self.weight, self.bias)
     elif _active() and x.dtype == torch.float32:
+        packs = _STATE.packs
         if x.numel() <= SMALL_ROWS * x.shape[-1]:  # decodes of one to a few sequences: no oneDNN call overhead
             out = _few_rows(self, x)
             if out is not None:
+                if packs is not None:
+                    packs.observe(self, x)  # a probe step still learns the siblings (and packs after it)
                 return out
-        packs = _STATE.packs
         if packs is not None:
             out = packs.linear(self, x)
             if out is not None:
@@ -446,6 +448,12 @@ class Prepacked:
             return None  # not the input the group's first member computed for: the member's own call
         out, pending[2][index] = pending[2][index], None
         return out
+
+    def observe(self, module: torch.nn.Linear, x: torch.Tensor) -> None:
+        """A linear that ran without the packed weights (a step of few rows): the probe step records it all
+        the same, so what is packed, and when, does not depend on the first step's size."""
+        if self._probe is not None:
+            self._probe.record(module, x)
 
     def begin_step(self) -> None:
         """Called before a scoped step: the first one records the probe."""

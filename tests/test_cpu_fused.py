@@ -144,7 +144,7 @@ def test_rotary_matches_float64_in_both_layouts(ops, batch, length, heads, kv_he
 
 @SETTINGS
 @given(lead=st.lists(st.integers(1, 3), min_size=0, max_size=2), rows=st.integers(0, 5),
-       k=st.sampled_from([1, 7, 8, 16, 24, 100, 256]), n=st.sampled_from([1, 5, 8, 13, 64, 130]),
+       k=st.sampled_from([0, 1, 7, 8, 16, 24, 100, 256]), n=st.sampled_from([1, 5, 8, 13, 64, 130]),
        bias=st.booleans(), layout=st.sampled_from(["dense", "slice"]), seed=st.integers(0, 999))
 def test_small_linear_matches_float64(ops, lead, rows, k, n, bias, layout, seed):
     """Every (rows, K, N): multiples of 8 take the vector loop, the rest (and the portable build) one dot per

@@ -46,10 +46,24 @@ _CASCADE = os.environ.get(CASCADE_ENV, "1").strip().lower() not in ("0", "false"
 _DTYPES = (torch.float32, torch.float64)
 _VERSION = 14  # bump when the C++ source changes meaning (the source hash also rebuilds)
 
+# C++ this kernel's source and cpu_fused's both include (after their headers): a dot product in fixed lanes,
 # Cephes' expf polynomial (about 1 ulp on [-87.3, 88.3], which callers clamp x to) on one float, 16 lanes
-# (AVX-512) and 8 (AVX2 + FMA), and the 8x8 horizontal sum of eight dot products (AVX2); this kernel's source
-# and cpu_fused's both include it (after their headers).
-EXP_CPP = r"""
+# (AVX-512) and 8 (AVX2 + FMA), and the 8x8 horizontal sum of eight dot products (AVX2).
+SHARED_CPP = r"""
+// Fixed-width lane loops: GCC vectorizes them without -ffast-math (no reassociation needed).
+template <typename T>
+inline T dot(const T* __restrict a, const T* __restrict b, int64_t n) {
+  constexpr int kLanes = 64 / sizeof(T);  // two AVX2 registers (one AVX-512) of partial sums
+  T acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int k = 0; k < kLanes; ++k) acc[k] += a[i + k] * b[i + k];
+  T s = 0;
+  for (int k = 0; k < kLanes; ++k) s += acc[k];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 inline float exp_poly(float x) {
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -129,7 +143,7 @@ _SOURCE = r"""
 #include <limits>
 #include <vector>
 
-""" + EXP_CPP + r"""
+""" + SHARED_CPP + r"""
 namespace {
 
 constexpr int64_t kQueryTile = 32;  // query rows per task: long prefills split into several tasks
@@ -158,19 +172,6 @@ struct Work {  // per-thread scratch, reused across tasks
   std::vector<int64_t> span;  // per row: its visible keys [span[2r], span[2r + 1]) within the page
 };
 
-// Fixed-width lane loops: GCC vectorizes them without -ffast-math (no reassociation needed).
-template <typename T>
-inline T dot(const T* __restrict a, const T* __restrict b, int64_t n) {
-  constexpr int kLanes = 64 / sizeof(T);  // two AVX2 registers (one AVX-512) of partial sums
-  T acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int k = 0; k < kLanes; ++k) acc[k] += a[i + k] * b[i + k];
-  T s = 0;
-  for (int k = 0; k < kLanes; ++k) s += acc[k];
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
 
 #if defined(__AVX2__) && defined(__FMA__)
 // float32 scores s[r * n + j] = q_r . k_j of `rows` query rows (row stride d) and n keys (row stride ks), for
@@ -410,35 +411,43 @@ void finish_tile(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, int64_t i0
       }
 }
 
+// max of s[0, n): 8 lanes where `vec` (float32, AVX2 + FMA build), else one by one.
+template <typename T>
+inline T max_of(bool vec, const T* s, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (vec) return max_avx2(s, n);
+  }
+#endif
+  T cmax = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < n; ++j) cmax = std::max(cmax, s[j]);
+  return cmax;
+}
+
+// exp_shifted on 8 lanes where `vec` (float32, AVX2 + FMA build), else the portable loop.
+template <typename T>
+inline T exp_shifted_vec(bool vec, T* s, int64_t n, T m) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (vec) return exp_shifted_avx2(s, n, m);
+  }
+#endif
+  return exp_shifted(s, n, m);
+}
+
 // Online-softmax update of row r with scores s[0, n) (softcap already applied): s becomes the
 // probabilities relative to the new running max; acc row is rescaled when the max grows.
 // `vec`: float32 takes the 8-lane max and exp (AVX2 + FMA builds).
 template <typename T>
 inline void softmax_update(Work<T>& w, int64_t r, int64_t dv, T* s, int64_t n, bool vec = false) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<T, float>) {
-    if (vec) {
-      const float cmax = max_avx2(s, n);
-      if (cmax > w.m[r]) {
-        const float alpha = std::exp(w.m[r] - cmax);
-        w.l[r] *= alpha;
-        scale_row(w.acc.data() + r * dv, alpha, dv);
-        w.m[r] = cmax;
-      }
-      w.l[r] += exp_shifted_avx2(s, n, w.m[r]);
-      return;
-    }
-  }
-#endif
-  T cmax = -std::numeric_limits<T>::infinity();
-  for (int64_t j = 0; j < n; ++j) cmax = std::max(cmax, s[j]);
+  const T cmax = max_of(vec, s, n);
   if (cmax > w.m[r]) {
     const T alpha = std::exp(w.m[r] - cmax);  // exp(-inf) = 0 on a row's first keys
     w.l[r] *= alpha;
     scale_row(w.acc.data() + r * dv, alpha, dv);
     w.m[r] = cmax;
   }
-  w.l[r] += exp_shifted(s, n, w.m[r]);
+  w.l[r] += exp_shifted_vec(vec, s, n, w.m[r]);
 }
 
 // The keys row i of sequence b sees, within [j0, j1): row i sees [i + shift - left, i + shift + right].

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from flashpage.kernels.cpu_attention import EXP_CPP, _arch_flags, _missing_tools, build_name, jit_build
+from flashpage.kernels.cpu_attention import SHARED_CPP, _arch_flags, _missing_tools, build_name, jit_build
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # act_and_mul's codes
 _DTYPES = (torch.float32, torch.float64)
@@ -65,7 +65,7 @@ _SOURCE = r"""
 #include <immintrin.h>
 #endif
 
-""" + EXP_CPP + r"""
+""" + SHARED_CPP + r"""
 namespace {
 
 constexpr int64_t kGrain = 16;  // rows per parallel_for chunk at least
@@ -267,7 +267,7 @@ at::Tensor act_and_mul(const at::Tensor& gate, const at::Tensor& up, int64_t act
 // ------------------------------------------------------------------------------------- small_linear
 // out rows [0, m) x columns [j0, j1) of x (m, k) . w (n, k)^T, float32. AVX2 + FMA (k % 8 == 0): eight weight
 // rows at a time, each dotted with every row of x while the eight are in cache (each weight read from memory
-// once per call), eight 8-lane partial sums reduced together by one hadd tree; the rest one dot per output.
+// once per call), eight 8-lane partial sums reduced together by one hadd tree; the rest one dot() per output.
 void small_linear_cols(const float* x, int64_t m, const float* w, int64_t k, float* out, int64_t n, int64_t j0,
                        int64_t j1) {
   int64_t j = j0;
@@ -289,16 +289,7 @@ void small_linear_cols(const float* x, int64_t m, const float* w, int64_t k, flo
   }
 #endif
   for (; j < j1; ++j)
-    for (int64_t r = 0; r < m; ++r) {
-      float acc[8] = {};
-      int64_t c = 0;
-      for (; c + 8 <= k; c += 8)
-        for (int u = 0; u < 8; ++u) acc[u] += x[r * k + c + u] * w[j * k + c + u];
-      float total = 0;
-      for (int u = 0; u < 8; ++u) total += acc[u];
-      for (; c < k; ++c) total += x[r * k + c] * w[j * k + c];
-      out[r * n + j] = total;
-    }
+    for (int64_t r = 0; r < m; ++r) out[r * n + j] = dot(x + r * k, w + j * k, k);
 }
 
 // x (..., K) float32 with few rows, w (N, K), bias (N,) or None -> (..., N): a GEMM with a handful of rows
@@ -308,23 +299,23 @@ at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& w_in, const c1
               "small_linear: x (..., K) and w (N, K) expected, got ", x_in.sizes(), " and ", w_in.sizes());
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat,
               "small_linear: float32 x and w expected");
+  const bool has_bias = bias.has_value() && bias->defined();
+  const int64_t k = w_in.size(1), n = w_in.size(0);
+  TORCH_CHECK(!has_bias || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat),
+              "small_linear: bias (N,) float32 expected, got ", has_bias ? bias->sizes() : at::IntArrayRef());
   const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
-  const int64_t k = w.size(0) == 0 ? 0 : w.size(1), n = w.size(0), m = k == 0 ? 0 : x.numel() / k;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor out = at::empty(shape, x.options());
   if (out.numel() == 0) return out;
+  const int64_t m = out.numel() / n;  // rows (K may be 0: then every output is the bias, or 0)
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, (n + 7) / 8, 16, [&](int64_t b0, int64_t b1) {
     small_linear_cols(xp, m, wp, k, op, n, b0 * 8, std::min(n, b1 * 8));
   });
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat,
-                "small_linear: bias (N,) float32 expected, got ", bias->sizes());
-    out.add_(*bias);
-  }
+  if (has_bias) out.add_(*bias);
   return out;
 }
 

@@ -1,10 +1,11 @@
-"""Run flash-attn's own test functions (``../shared/flash-attn-real/tests/fa2_test_flash_attn.py``)
-against flashpage on CPU (test helper).
+"""Run flash-attn's own test functions (``tests/test_flash_attn.py`` of its newest PyPI sdist,
+``flash_standins.FA2_TESTS``) against flashpage on CPU (test helper).
 
-The file is read at test time, never copied: its imports get small stand-ins written here (an
-``einops`` subset, ``flash_attn`` = flashpage's kernels, ``bert_padding``'s pad/unpad, and a torch
-``apply_rotary_emb``), ``device = "cuda"`` becomes ``"cpu"``, and the compute capability it reads at
-import is Hopper's. Its test functions, ``attention_ref`` and its tolerance rules then run as written.
+The file is read at test time from flash_standins' release cache, never copied into the project:
+its imports get small stand-ins written here (an ``einops`` subset, ``flash_attn`` = flashpage's
+kernels, ``bert_padding``'s pad/unpad, and a torch ``apply_rotary_emb``), ``device = "cuda"``
+becomes ``"cpu"``, and the compute capability it reads at import is Hopper's. Its test functions,
+``attention_ref`` and its tolerance rules then run as written.
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from flash_standins import REAL
-
-FA2_TESTS = REAL / "tests" / "fa2_test_flash_attn.py"
+from flash_standins import FA2_TESTS, require
 
 
 # ------------------------------------------------------------------ einops subset
@@ -141,10 +140,12 @@ _MODULE: list[types.ModuleType] = []
 
 
 def load() -> types.ModuleType:
-    """flash-attn's FA2 test module, importable on CPU, running flashpage's kernels (loaded once)."""
+    """flash-attn's FA2 test module, importable on CPU, running flashpage's kernels (loaded once);
+    skips the calling test when the file cannot be had."""
     if _MODULE:
         return _MODULE[0]
-    source = FA2_TESTS.read_text().replace('device = "cuda"', 'device = "cpu"')
+    path = require(FA2_TESTS)
+    source = path.read_text().replace('device = "cuda"', 'device = "cpu"')
     fakes = _fakes()
     saved = {k: sys.modules.get(k) for k in fakes}
     capability = torch.cuda.get_device_capability
@@ -152,8 +153,8 @@ def load() -> types.ModuleType:
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
     try:
         mod = types.ModuleType("_real_fa2_tests")
-        mod.__file__ = str(FA2_TESTS)
-        exec(compile(source, str(FA2_TESTS), "exec"), mod.__dict__)
+        mod.__file__ = str(path)
+        exec(compile(source, str(path), "exec"), mod.__dict__)
     finally:
         torch.cuda.get_device_capability = capability
         for key, old in saved.items():

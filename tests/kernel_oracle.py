@@ -1,6 +1,6 @@
 """Independent float64 oracle for flash-attn's kvcache and varlen attention (test helper).
 
-Written from shared/design/flash-attn-contract.md and flash-attn's flash_api.cpp / mask.h, not
+Written from docs/flash-attn-contract.md and flash-attn's flash_api.cpp / mask.h, not
 from flashpage's implementation: one sequence at a time, keys collected row by row, dense masks.
 `round_dtype` rounds P (and the output) to that dtype, giving the "ref_in_dtype" of the contract's
 tolerance rule; without it everything stays float64.

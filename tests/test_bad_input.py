@@ -7,7 +7,7 @@ contain; after the error the harness checks that the object the call was made on
 - kernels (``flash_attn_with_kvcache``, ``flash_attn_varlen_func``, ``store_kv``): the caches were
   not written, flash-attn (the strict fake of tests/fake_flash_attn.py, forced with
   ``force_backend``) was never called, and a valid call on the same tensors gives the expected
-  result. The contract (shared/design/flash-attn-contract.md) wants int32 index tensors; the
+  result. The contract (docs/flash-attn-contract.md) wants int32 index tensors; the
   reference path rejects int64 too (validate.py is shared by every backend: "everything
   flash-attn rejects, the reference rejects too"), while it accepts fp32 and page sizes flash-attn
   2 refuses (those fall back to it: see ``test_accepted_not_errors``);

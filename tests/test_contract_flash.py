@@ -1,8 +1,10 @@
 """Contract tests: flashpage's flash-attn calls through flash-attn's *own* Python files.
 
-flash-attn's interface files (FA2 at v2.5.9, v2.6.0, v2.6.1 and HEAD; FA3 before PR #1851 and at
-HEAD; FA4's interface) are loaded from ``../shared/flash-attn-real/`` over stand-ins for their
-compiled parts (tests/flash_standins.py: the C++ checks in order, float64 math). Every call
+flash-attn's interface files, as its PyPI releases ship them (FA2: flash-attn 2.5.9.post1,
+2.6.0.post1, 2.6.1 and 2.8.3.post2; FA3: the hopper/ of flash-attn 2.8.3.post2, from before PR
+#1851, and "main", after it, which no release ships yet, so its tests skip; FA4: flash-attn-4
+4.0.0b27), are loaded over stand-ins for their compiled parts (tests/flash_standins.py: the C++
+checks in order, float64 math; downloaded once, see docs/flash-attn-contract.md). Every call
 flashpage sends must pass those checks and agree with flashpage's reference; a call a backend
 cannot take must go elsewhere (the stand-in is never called) and still agree. The table of
 issue 10 (A-G) has one test each; "bug demo" tests call the real interface directly with the
@@ -11,7 +13,11 @@ arguments flashpage used to send, to show the stand-in reproduces the upstream b
 
 from __future__ import annotations
 
+import ast
+import inspect
 import random
+import re
+import textwrap
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -21,8 +27,7 @@ import torch
 
 from flashpage.kernels import dispatch, flash_attn_varlen_func, flash_attn_with_kvcache, flash_backends
 
-pytestmark = [pytest.mark.skipif(not fs.available(), reason="../shared/flash-attn-real/ not present"),
-              pytest.mark.usefixtures("fresh_backends")]
+pytestmark = pytest.mark.usefixtures("fresh_backends")  # each loader skips when its release is missing
 TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
@@ -279,7 +284,7 @@ def test_b_fa3_varlen_without_a_cache_on_both_interfaces(tag):
         want = flash_attn_varlen_func(**_clone(case), return_attn_probs=lse)
         out_g, out_w = (got[0], want[0]) if lse else (got, want)
         _close(out_g[:rows], out_w[:rows], case["q"].dtype, f"{tag} lse={lse}")
-        assert len(ops.calls) == (0 if lse and tag == "before-pr1851" else 1)
+        assert len(ops.calls) == (0 if lse and not fs.FA3_HAS_PR1851[tag] else 1)
 
 
 def test_c1_fa3_dense_cache_with_more_rows_than_the_batch():
@@ -289,17 +294,17 @@ def test_c1_fa3_dense_cache_with_more_rows_than_the_batch():
                 v_cache=torch.randn(5, 40, 2, 32, generator=g).half(), k=torch.randn(2, 3, 2, 32, generator=g).half(),
                 v=torch.randn(2, 3, 2, 32, generator=g).half(), cache_seqlens=torch.tensor([4, 30], dtype=torch.int32),
                 causal=True)
-    mod, _ = fs.load_fa3("HEAD")
+    mod, _ = fs.load_fa3(fs.FA3_RELEASED)
     with pytest.raises(RuntimeError, match="batch_size must be equal to batch_size_k"):
         mod.flash_attn_with_kvcache(**_clone(case))
-    got, want, a, b, ops = _run_pair(Backend("fa3", "HEAD"), case, flash_attn_with_kvcache)
+    got, want, a, b, ops = _run_pair(Backend("fa3", fs.FA3_RELEASED), case, flash_attn_with_kvcache)
     assert len(ops.calls) == 1
     _close(got, want, torch.float16, "out")
     assert torch.equal(a["k_cache"][:2], b["k_cache"][:2]) and torch.equal(a["k_cache"][2:], case["k_cache"][2:])
 
 
-@pytest.mark.parametrize("backend", [Backend("fa2", "HEAD"), Backend("fa3", "HEAD"), Backend("fa4", "90")],
-                         ids=lambda b: b.key)
+@pytest.mark.parametrize("backend", [Backend("fa2", fs.FA2_NEWEST), Backend("fa3", fs.FA3_RELEASED),
+                                     Backend("fa4", "90")], ids=lambda b: b.key)
 def test_c2_head_dim_not_a_multiple_of_8_never_reaches_flash_attn_with_a_cache(backend):
     """C2: FA3/FA4 reject head_dim % 8; FA2 pads by copying the whole KV cache on every call."""
     case = _plain_kvcache(page=256, dim=36)
@@ -343,21 +348,21 @@ def test_d_one_query_gqa_varlen_with_empty_sequences_or_spare_rows(paged, seq_q,
     """D: FA2 reshapes a max_seqlen_q == 1 GQA call by the batch size and ignores cu_seqlens_q."""
     case = _decode_varlen(seq_q, extra, paged)
     rows = sum(seq_q)
-    mod, _ = fs.load_fa2("HEAD")
+    mod, _ = fs.load_fa2(fs.FA2_NEWEST)
     if sum(seq_q) + extra == len(seq_q):  # the old call: silently wrong
         bad = mod.flash_attn_varlen_func(**_clone(case))
         assert (bad[:rows].double() - flash_attn_varlen_func(**_clone(case))[:rows].double()).abs().max() > 0.1
     else:  # the old call: a reshape error
         with pytest.raises(RuntimeError, match="invalid for input of size"):
             mod.flash_attn_varlen_func(**_clone(case))
-    got, want, _, _, ext = _run_pair(Backend("fa2", "HEAD"), case, flash_attn_varlen_func)
+    got, want, _, _, ext = _run_pair(Backend("fa2", fs.FA2_NEWEST), case, flash_attn_varlen_func)
     assert len(ext.calls) == 1
     _close(got[:rows], want[:rows], torch.float16, "out")
 
 
 def test_d_uniform_decode_keeps_fa2_fast_path():
     case = _decode_varlen([1, 1, 1], 0, True)
-    got, want, _, _, ext = _run_pair(Backend("fa2", "HEAD"), case, flash_attn_varlen_func)
+    got, want, _, _, ext = _run_pair(Backend("fa2", fs.FA2_NEWEST), case, flash_attn_varlen_func)
     assert ext.calls[0][1]["window_size_left"] == -1  # the reshape (seqlenq_ngroups_swapped) still happens
     _close(got, want, torch.float16, "out")
 
@@ -368,10 +373,10 @@ def test_e_mqa_append_into_a_short_dense_cache():
     case = dict(q=torch.randn(2, 1, 8, 32, generator=g).half(), k_cache=torch.randn(2, 4, 1, 32, generator=g).half(),
                 v_cache=torch.randn(2, 4, 1, 32, generator=g).half(), k=torch.randn(2, 1, 1, 32, generator=g).half(),
                 v=torch.randn(2, 1, 1, 32, generator=g).half(), cache_seqlens=torch.tensor([1, 3], dtype=torch.int32))
-    mod, _ = fs.load_fa2("HEAD")
+    mod, _ = fs.load_fa2(fs.FA2_NEWEST)
     with pytest.raises(RuntimeError, match="must have seqlen <= the seqlen of the KV cache"):
         mod.flash_attn_with_kvcache(**_clone(case))
-    got, want, a, b, ext = _run_pair(Backend("fa2", "HEAD"), case, flash_attn_with_kvcache)
+    got, want, a, b, ext = _run_pair(Backend("fa2", fs.FA2_NEWEST), case, flash_attn_with_kvcache)
     assert len(ext.calls) == 1
     _close(got, want, torch.float16, "out")
     assert torch.equal(a["v_cache"], b["v_cache"])
@@ -391,16 +396,16 @@ def _rotary_window_case() -> dict:
 def test_f_fa3_does_not_take_rotary_with_a_window_it_would_drop():
     """F: FA3 drops a window that masks nothing earlier than FA2, which moves rotary's query rows."""
     case = _rotary_window_case()
-    mod, _ = fs.load_fa3("HEAD")
+    mod, _ = fs.load_fa3(fs.FA3_RELEASED)
     a, b = _clone(case), _clone(case)
     a["page_table"] = a.pop("block_table")
     old = mod.flash_attn_with_kvcache(**a)  # the old call
     want = flash_attn_with_kvcache(**b)
     assert (old.double() - want.double()).abs().max() > 0.5
-    got, want, _, _, ops = _run_pair(Backend("fa3", "HEAD"), case, flash_attn_with_kvcache)
+    got, want, _, _, ops = _run_pair(Backend("fa3", fs.FA3_RELEASED), case, flash_attn_with_kvcache)
     assert len(ops.calls) == 0
     _close(got, want, torch.float16, "out")
-    got, want, _, _, ext = _run_pair(Backend("fa2", "HEAD"), case, flash_attn_with_kvcache)
+    got, want, _, _, ext = _run_pair(Backend("fa2", fs.FA2_NEWEST), case, flash_attn_with_kvcache)
     assert len(ext.calls) == 1
     _close(got, want, torch.float16, "out")
 
@@ -469,3 +474,39 @@ def test_fa4_is_named_with_its_version_and_refusals():
                                  alibi=True)
     assert ok.name == "fa4" and "flash-attn 4" in ok.reason
     assert alibi.name == "reference" and "ALiBi is not supported by flash-attn 4" in alibi.reason
+
+
+# ------------------------------------------------------------------ the stand-in against flash_api.cpp
+def _stand_in_messages(cls: type) -> set[str]:
+    """The literal messages ``cls`` passes to ``_check`` / ``_int32`` (its copies of TORCH_CHECK texts)."""
+    found = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls)))):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("_check", "_int32") and node.args:
+            msg = node.args[-1]
+            if isinstance(msg, ast.Constant) and isinstance(msg.value, str):
+                found.add(msg.value)
+    return found
+
+
+def _cpp_strings(text: str) -> tuple[list[str], set[str]]:
+    """A C++ file's string literals (adjacent ones joined) and the names it passes to CHECK_CONTIGUOUS."""
+    pieces = re.finditer(r'(?:"(?:[^"\\\n]|\\.)*"\s*)+', text)
+    literals = ["".join(re.findall(r'"((?:[^"\\\n]|\\.)*)"', m.group(0))) for m in pieces]
+    return literals, set(re.findall(r"CHECK_CONTIGUOUS\((\w+)\)", text))
+
+
+def test_fa2_stand_in_checks_are_flash_api_cpp_checks():
+    """Every check of the FA2 stand-in (bar those it marks "stand-in:") has its message, word for word,
+    in the newest release's csrc/flash_attn/flash_api.cpp (``CHECK_CONTIGUOUS(x)`` says "x must be
+    contiguous"). FA3's hopper/flash_api.cpp is in no PyPI release, so its stand-in is not checked here."""
+    literals, contiguous = _cpp_strings(fs.require(fs.fa2_flash_api(fs.FA2_NEWEST)).read_text())
+    messages = _stand_in_messages(fs.Fa2Extension)
+    assert len(messages) >= 30, sorted(messages)
+
+    def in_cpp(msg: str) -> bool:
+        if msg.endswith(" must be contiguous") and msg.split()[0] in contiguous:
+            return True
+        return any(msg in literal for literal in literals)
+
+    assert sorted(m for m in messages if not m.startswith("stand-in:") and not in_cpp(m)) == []
+    assert not in_cpp("a message flash-attn never wrote")

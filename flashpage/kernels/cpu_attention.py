@@ -14,7 +14,7 @@ tile resumes its own online softmax after them (``FLASHPAGE_CPU_CASCADE=0``: off
 and no AVX-512 (AMD Zen 2/3, Intel client parts), decode tiles' float32 scores take a vector loop instead of a
 dot per key: eight keys at a time, each with its own 8-lane sums, reduced together by one hadd tree (head dims
 that are multiples of 8); measured 2x the portable loops on 64 decodes of 140-190 keys.
-Same contract as the reference (shared/design/flash-attn-contract.md section 3): bottom-right causal,
+Same contract as the reference (docs/flash-attn-contract.md section 3): bottom-right causal,
 sliding window, softcap, attention sinks, a row with no visible key returns 0. float32 and float64
 only; anything else (half types, ALiBi, LSE, autograd) stays on the reference.
 

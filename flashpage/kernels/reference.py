@@ -1,6 +1,6 @@
 """Exact PyTorch implementation of flash-attn's KV-cache attention: the CPU product path.
 
-Same contract as flash-attn 2 (see shared/design/flash-attn-contract.md): paged and dense
+Same contract as flash-attn 2 (see docs/flash-attn-contract.md): paged and dense
 caches, in-place append, bottom-right causal, sliding window, softcap, ALiBi, rotary, GQA/MQA,
 LSE, plus flashpage's attention sinks (s_aux). Inputs are validated by the caller (dispatch.py).
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import re
 import sys
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata
@@ -30,6 +31,9 @@ from typing import Any
 
 MIN_TRANSFORMERS = "5.0.0"
 MAX_TRANSFORMERS = "6"  # exclusive
+# the newest transformers minor line the release smoke (.ci/smoke: every generate() mode and LLM, patched vs
+# unpatched, on the newest patch of every 5.x line) has run; README's release list is written from that run
+NEWEST_TESTED = "5.25"
 MIN_TORCH = "2.6"
 TRANSFORMERS_PIN = f"transformers>={MIN_TRANSFORMERS.removesuffix('.0')},<{MAX_TRANSFORMERS}"
 
@@ -87,10 +91,35 @@ def torch_in_range(version: str) -> bool:
 
 def require_supported_transformers(version: str | None = None) -> None:
     """Raise :class:`UnsupportedTransformersError` unless transformers (``version``, default: the
-    installed one) is in the supported range."""
+    installed one) is in the supported range. An installed release newer than :data:`NEWEST_TESTED` gets one
+    warning per process (:func:`untested_warning`)."""
+    installed = version is None
     version = installed_version("transformers") if version is None else version
     if not transformers_in_range(version):
         raise UnsupportedTransformersError(version)
+    if installed and version not in _WARNED:
+        _WARNED.add(version)
+        message = untested_warning(version)
+        if message:
+            warnings.warn(message, UntestedTransformersWarning, stacklevel=3)
+
+
+class UntestedTransformersWarning(UserWarning):
+    """The installed transformers is in the supported range but newer than any release flashpage was tested on."""
+
+
+_WARNED: set[str] = set()
+
+
+def untested_warning(version: str) -> str | None:
+    """The warning for a transformers ``version`` newer than the newest tested minor line, else None."""
+    if _release(version)[:2] <= _release(NEWEST_TESTED)[:2]:
+        return None
+    return (f"flashpage was tested with transformers {MIN_TRANSFORMERS.removesuffix('.0')} to {NEWEST_TESTED}.x; "
+            f"{version} is newer. patch() probes every cache method generate() calls and refuses a model it cannot "
+            f"run exactly, but a generate() mode new in {version} may be refused by name; to stay on tested "
+            f'releases: pip install "transformers>={MIN_TRANSFORMERS.removesuffix(".0")},<'
+            f'{_release(NEWEST_TESTED)[0]}.{_release(NEWEST_TESTED)[1] + 1}"')
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,11 @@ keeps its states. Pure state-space models (Mamba, Mamba-2, Falcon-Mamba) hold no
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from transformers import cache_utils
@@ -122,9 +124,13 @@ class _PagedLayer(CacheLayerMixin):
         return None
 
 
-# transformers' linear-attention layer (conv / recurrent states), from 5.20 on; None before.
+# transformers' linear-attention layer (conv / recurrent states), from 5.5 on; None before.
 _LinearLayer = getattr(cache_utils, "LinearAttentionLayer", None)
 _LinearMixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+# transformers' layer class of each cache layer type: DYNAMIC_LAYER_TYPE_MAPPING from 5.14, LAYER_TYPE_CACHE_MAPPING
+# in some releases before; empty where neither exists (every layer is then a paged one)
+_LAYER_CLASSES: Mapping[str, type] = (getattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING", None)
+                                      or getattr(cache_utils, "LAYER_TYPE_CACHE_MAPPING", None) or {})
 
 
 if _LinearLayer is not None:
@@ -170,13 +176,56 @@ def _make_layer(parent: HFPagedCache, layer_idx: int, layer_type: str, kwargs: d
     """transformers' own layer object for state-only layers, a paged (or paged+state) layer otherwise."""
     if _LinearMixin is None:
         return _PagedLayer(parent, layer_idx)
-    layer_class = cache_utils.DYNAMIC_LAYER_TYPE_MAPPING.get(layer_type)
+    layer_class = _LAYER_CLASSES.get(layer_type)
     if layer_class is None or not issubclass(layer_class, _LinearMixin):
         return _PagedLayer(parent, layer_idx)
     states = {"number_of_states": kwargs.get("number_of_states", 1)}
     if issubclass(layer_class, CacheLayerMixin):  # states and K/V in one layer
         return _PagedHybridLayer(parent, layer_idx, **states)
     return layer_class(**states)
+
+
+@lru_cache(maxsize=1)
+def cache_api_mismatches() -> tuple[str, ...]:
+    """Methods of the installed transformers' ``Cache`` / ``CacheLayerMixin`` that flashpage's cache overrides
+    but cannot be called as transformers may call them: an optional or keyword-only parameter it does not take,
+    arbitrary keywords (``**kwargs``) it does not accept, or fewer positional parameters. Empty on every release
+    flashpage was tested with; ``patch()`` refuses with these names otherwise (a newer transformers' generate()
+    would pass the cache arguments it does not know, e.g. 5.25's ``activate_past_recording(
+    recurrent_states_to_keep=...)``)."""
+    out = []
+    for ours, theirs in ((HFPagedCache, Cache), (_PagedLayer, CacheLayerMixin)):
+        for name, base in vars(theirs).items():
+            mine = getattr(ours, name, None)
+            if name.startswith("_") or not inspect.isfunction(base) or mine is None or mine is base:
+                continue
+            missing = _untaken_parameters(base, mine)
+            if missing:
+                out.append(f"{theirs.__name__}.{name}({', '.join(missing)})")
+    return tuple(out)
+
+
+def _untaken_parameters(base: Callable, mine: Callable) -> list[str]:
+    """Parameters of ``base`` a call could pass that ``mine`` does not take (see :func:`cache_api_mismatches`)."""
+    try:
+        theirs, ours = inspect.signature(base).parameters, inspect.signature(mine).parameters
+    except (TypeError, ValueError):
+        return []
+    kinds = {p.kind for p in ours.values()}
+    any_keyword = inspect.Parameter.VAR_KEYWORD in kinds
+    any_positional = inspect.Parameter.VAR_POSITIONAL in kinds
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    missing = []
+    for name, p in theirs.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD and not any_keyword:
+            missing.append(f"**{name}")
+        elif p.kind is inspect.Parameter.KEYWORD_ONLY or (p.kind in positional and p.default is not p.empty):
+            if name not in ours and not any_keyword:
+                missing.append(name)
+    wanted = sum(p.kind in positional and p.default is p.empty for p in theirs.values())  # self included
+    if not any_positional and sum(p.kind in positional for p in ours.values()) < wanted:
+        missing.append(f"{wanted - 1} positional arguments")
+    return missing
 
 
 # instance attributes in which a module keeps recurrent state between forwards (RecurrentGemma)
@@ -344,10 +393,11 @@ class HFPagedCache(Cache):
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # get_max_length before transformers 5.14
         return -1
 
-    def activate_past_recording(self) -> None:
-        """Pages keep every token anyway; linear-attention layers start keeping their conv inputs."""
+    def activate_past_recording(self, **kwargs) -> None:
+        """Pages keep every token anyway; linear-attention layers start keeping their conv inputs (and, from
+        transformers 5.25, their last ``recurrent_states_to_keep`` recurrent states: the keywords go to them)."""
         for i in self.state_layers:
-            self.layers[i].activate_past_recording()
+            self.layers[i].activate_past_recording(**kwargs)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write a layer's new K/V (B, Hk, L, D) into its pages.

@@ -270,15 +270,30 @@ def _mpt_refusal(config: Any) -> str | None:
 def _falcon_qkv(m: Any, a: dict[str, Any]) -> QKV:
     from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
 
-    q, k, v = m._split_heads(m.query_key_value(a["hidden_states"]))
-    kv_heads = m.num_heads if m.new_decoder_architecture else m.num_kv_heads
-    b, length = q.shape[:2]
-    q = q.transpose(1, 2).reshape(b, m.num_heads, length, m.head_dim)
-    k = k.transpose(1, 2).reshape(b, kv_heads, length, m.head_dim)
-    v = v.transpose(1, 2).reshape(b, kv_heads, length, m.head_dim)
-    if a.get("alibi") is None:
+    q, k, v = (x.transpose(1, 2) for x in _falcon_split(m, m.query_key_value(a["hidden_states"])))
+    alibi = a["alibi"] is not None if "alibi" in a else m.config.alibi  # 5.25 passes ALiBi in the mask
+    if not alibi:
         cos, sin = a["position_embeddings"]
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k, v
+
+
+def _falcon_split(m: Any, fused: torch.Tensor) -> QKV:
+    """q (B, L, H, D), k and v (B, L, Hk, D) from the fused projection: the module's own ``_split_heads`` where
+    it has one (before transformers 5.25; it broadcasts K/V to every head in the new decoder architecture),
+    else 5.25's layout, one K/V per KV head (what its own forward stores, so a dense-view fallback reads the same
+    pages)."""
+    split = getattr(m, "_split_heads", None)
+    if split is not None:
+        return split(fused)
+    fused = fused.view(*fused.shape[:-1], -1, m.head_dim)
+    if m.new_decoder_architecture:  # per KV group: its queries, then its key and its value
+        grouped = fused.view(*fused.shape[:2], m.num_kv_heads, -1, m.head_dim)
+        return grouped[..., :-2, :].flatten(-3, -2), grouped[..., -2, :], grouped[..., -1, :]
+    if m.multi_query:
+        q, k, v = fused.split([m.num_heads, 1, 1], dim=-2)
+        return q, k, v
+    q, k, v = fused.unflatten(-2, (m.num_heads, 3)).unbind(-2)
     return q, k, v
 
 

@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from flashpage.errors import check_positive_ints
 from flashpage.patches import checks
 from flashpage.patches.attention import ATTN_NAME, register
-from flashpage.patches.compat import cache_kwarg, require_supported_transformers
+from flashpage.patches.compat import NEWEST_TESTED, cache_kwarg, installed_version, require_supported_transformers
 from flashpage.patches.deepseek import NOTE as MLA_NOTE
 from flashpage.patches.deepseek import is_mla
 from flashpage.patches.families import FamilySpec, family_for
-from flashpage.patches.hf_cache import HFPagedCache
+from flashpage.patches.hf_cache import HFPagedCache, cache_api_mismatches
 from flashpage.patches.legacy import ABSENT, Refused
 
 _STATE_ATTR = "_flashpage_patch"
@@ -79,6 +79,12 @@ def patch(model: torch.nn.Module, **cache_options: Any) -> torch.nn.Module:
     if state is not None:
         state.cache_options.update(cache_options)
         return model
+    mismatches = cache_api_mismatches()
+    if mismatches:
+        raise UnsupportedModelError(_refusal(model, (
+            f"this transformers ({installed_version('transformers')}) calls cache methods with arguments flashpage's "
+            f"cache does not take: {'; '.join(mismatches)} (flashpage was tested up to transformers "
+            f"{NEWEST_TESTED}.x)")))
     family = _family_of(model)
     register()
     state = PatchState(family=family, cache_options=dict(cache_options),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,11 +24,11 @@ import torch
 import transformers
 from model_zoo import left_padded_batch, tiny_model
 from transformers import masking_utils
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 
 import flashpage
 from flashpage.info import collect_info, format_info
-from flashpage.patches import ATTN_NAME, HFPagedCache, compat
+from flashpage.patches import ATTN_NAME, HFPagedCache, compat, hf_cache
 from flashpage.patches.attention import paged_mask, register
 from flashpage.patches.compat import UnsupportedTransformersError
 
@@ -217,3 +218,68 @@ def test_info_flags_an_unsupported_transformers(old_transformers: str) -> None:
     row = next(r for r in info["supported_versions"] if r["name"] == "transformers")
     assert row["version"] == "4.57.6" and row["supported"] is False
     assert 'transformers 4.57.6: NOT supported (install transformers>=5.0,<6)' in format_info(info)
+
+
+# ------------------------------------------------------------------------------ releases newer than tested
+def test_cache_takes_every_argument_this_transformers_passes() -> None:
+    """Every Cache / CacheLayerMixin method flashpage's cache overrides takes the installed transformers' arguments
+    (the check behind patch()'s refusal; .ci/smoke asserts the same on every 5.x minor line)."""
+    assert hf_cache.cache_api_mismatches() == ()
+
+
+def test_patch_refuses_cache_calls_it_cannot_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 5.25 crash, replayed: a cache method without the keywords transformers passes is refused at patch(),
+    by name, before the model is touched; never a TypeError inside generate()."""
+    def activate_past_recording(self: HFPagedCache) -> None:  # flashpage's signature before transformers 5.25
+        return None
+
+    monkeypatch.setattr(HFPagedCache, "activate_past_recording", activate_past_recording)
+    hf_cache.cache_api_mismatches.cache_clear()
+    try:
+        if "kwargs" not in inspect.signature(Cache.activate_past_recording).parameters:
+            pytest.skip("this transformers' Cache.activate_past_recording takes no keywords (before 5.25)")
+        model = tiny_model("llama")
+        attn = model.config._attn_implementation
+        with pytest.raises(flashpage.UnsupportedModelError, match=r"Cache\.activate_past_recording\(\*\*kwargs\)"):
+            flashpage.patch(model)
+        assert not flashpage.is_patched(model) and model.config._attn_implementation == attn
+    finally:
+        hf_cache.cache_api_mismatches.cache_clear()
+
+
+def test_untested_parameters_are_named() -> None:
+    def theirs(self, a, b=1, *, c=2, **kwargs): ...  # noqa: ANN001, ANN202, ANN003
+    def positional_only(self, a): ...  # noqa: ANN001, ANN202
+    def takes_all(self, a, *args, **kwargs): ...  # noqa: ANN001, ANN202, ANN002, ANN003
+    assert hf_cache._untaken_parameters(theirs, positional_only) == ["b", "c", "**kwargs"]
+    assert hf_cache._untaken_parameters(theirs, takes_all) == []
+    assert hf_cache._untaken_parameters(positional_only, lambda self: None) == ["1 positional arguments"]
+
+
+@pytest.mark.parametrize("version, warns", [("5.0.0", False), (f"{compat.NEWEST_TESTED}.9", False),
+                                            ("5.99.0", True)])
+def test_a_release_newer_than_tested_warns_once(monkeypatch: pytest.MonkeyPatch, version: str, warns: bool) -> None:
+    real = compat.installed_version
+    monkeypatch.setattr(compat, "installed_version", lambda dist: version if dist == "transformers" else real(dist))
+    monkeypatch.setattr(compat, "_WARNED", set())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compat.require_supported_transformers()
+        compat.require_supported_transformers()
+    untested = [w for w in seen if issubclass(w.category, compat.UntestedTransformersWarning)]
+    assert len(untested) == (1 if warns else 0)
+    if warns:
+        message = str(untested[0].message)
+        assert f"tested with transformers 5.0 to {compat.NEWEST_TESTED}.x; {version} is newer" in message
+        assert 'pip install "transformers>=5.0,<' in message
+
+
+def test_readme_release_list_is_every_minor_line_up_to_newest_tested() -> None:
+    """README's release list is what .ci/smoke --readme wrote: one release per 5.x minor line, 5.0 to NEWEST_TESTED."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- releases:begin.*?-->(.*?)<!-- releases:end -->", text, flags=re.S)
+    assert block, "README.md has no releases:begin / releases:end block"
+    listed = re.findall(r"\b5\.(\d+)\.(\d+)\b", block.group(1))
+    minors = [int(minor) for minor, _ in listed]
+    newest = int(compat.NEWEST_TESTED.split(".")[1])
+    assert minors == list(range(newest + 1)), f"README lists minor lines {minors}: run .ci/smoke --readme"

@@ -177,10 +177,17 @@ def test_own_forward_where_pages_cannot_say(models, variant: str, paged_calls: l
             second = model(input_ids=step_ids, attention_mask=step_mask, past_key_values=cache, use_cache=True)
         return [first.logits, second.logits, first.attentions[-1]]
 
-    expected = run(DynamicCache(config=model.config))
-    flashpage.patch(model)
-    paged_calls.clear()  # patch()'s probe forwards
-    got = run(HFPagedCache(model.config, block_size=4, num_blocks=16))
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")  # weights come from eager attention (Falcon's sdpa returns none from 5.25)
+    try:
+        expected = run(DynamicCache(config=model.config))
+        assert expected[2] is not None, "the unpatched model returned no attention weights"
+        flashpage.patch(model)
+        paged_calls.clear()  # patch()'s probe forwards
+        got = run(HFPagedCache(model.config, block_size=4, num_blocks=16))
+    finally:
+        flashpage.unpatch(model)
+        model.set_attn_implementation(previous)
     # prefill: the module's own forward (weights asked for); decode: a hole under ALiBi / a window needs it too,
     # while GPT-Neo's global layer 0 (no window) attends on the pages
     assert paged_calls == ([0] if variant == "gpt_neo-local" else [])

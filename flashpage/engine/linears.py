@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flashpage.engine.weights import tensor_version
 from flashpage.kernels import cpu_fused
 
 _STATE = threading.local()
@@ -223,7 +224,7 @@ def _tensor_key(t: torch.Tensor | None) -> tuple:
     """What a weight is now: its object, storage, in-place version, shape and dtype (no data read)."""
     if t is None:
         return ()
-    return id(t), t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device.type
+    return id(t), t.data_ptr(), tensor_version(t), tuple(t.shape), t.dtype, t.device.type
 
 
 def _packable(module: torch.nn.Linear) -> bool:

@@ -75,8 +75,14 @@ def _walk(model: torch.nn.Module) -> tuple[list[torch.Tensor], int]:
     return tensors, hash(tuple(adapters))
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter; -1 for an inference tensor (made under ``torch.inference_mode()``,
+    e.g. a model loaded there), which keeps none and cannot be changed in place outside that mode."""
+    return -1 if t.is_inference() else t._version
+
+
 def _fingerprint(tensors: list[torch.Tensor], adapters: int, extra: Hashable) -> tuple:
-    versions = sum([t._version for t in tensors])
+    versions = sum([tensor_version(t) for t in tensors])
     storage = hash(tuple([t.data_ptr() for t in tensors]))  # a new dtype or device is new storage too
     return versions, storage, len(tensors), adapters, OPTIMIZER_STEPS.steps, extra
 

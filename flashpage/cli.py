@@ -71,6 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--tensor-parallel-size {size}: give the number of ranks (>= 1)")
     options.cpu_bind = _serve_cpu_bind(args.cpu_bind, size)
     options.engine_process = _serve_engine_process(args.engine_process, size)
+    options.max_engine_restarts = _serve_max_engine_restarts(args.max_engine_restarts, options.engine_process)
     if size > 1:
         from flashpage.serve import tp
 
@@ -102,6 +103,21 @@ def _serve_engine_process(asked: bool | None, ranks: int) -> bool:
     return ranks == 1 if asked is None else asked
 
 
+def _serve_max_engine_restarts(asked: int | None, engine_process: bool) -> int:
+    """``--max-engine-restarts`` (default 3): engine processes started to replace one that died, at most; then
+    the server exits non-zero. Only an engine process can be restarted: refused with a thread engine."""
+    from flashpage.serve.engine_process import check_max_restarts
+    from flashpage.serve.server import DEFAULT_MAX_ENGINE_RESTARTS
+
+    if asked is None:
+        return DEFAULT_MAX_ENGINE_RESTARTS
+    if not engine_process:
+        raise ValueError(f"--max-engine-restarts {asked}: only an engine process (--engine-process, the default on "
+                         "one rank) is restarted; a thread engine that dies stops the server (exit code 1)")
+    check_max_restarts(asked)
+    return asked
+
+
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)")
     _add_model(p)
@@ -124,6 +140,10 @@ def _add_serve(sub: Any) -> None:
                    help="run the engine in its own process, bound with --cpu-bind, so HTTP and JSON work never waits "
                         "for the engine's step or the other way round (as vLLM's API server and engine core); "
                         "default on (off under --tensor-parallel-size)")
+    p.add_argument("--max-engine-restarts", type=int, default=None, metavar="N",
+                   help="when the engine process dies (e.g. killed by the OOM killer), its open requests fail with "
+                        "503 and a new one is started, at most N times; then the server exits with code 1, for a "
+                        "supervisor to act on (default 3; 0: exit at the first death)")
     g = p.add_argument_group("engine options (flashpage.LLM)")
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--num-blocks", type=int, default=None)

@@ -1,7 +1,8 @@
 """EngineProcess (the engine in its own process, ``flashpage serve``'s default) against the same LLM in this
 process: every output field equal (samples, text, logprobs, prompt logprobs), snapshots that never change
 once handed out, the child's errors raised here with their type and message, a drained close, and a child
-that dies failing its requests instead of hanging them. The HTTP server over it: tests/test_serve*.py."""
+that dies failing its requests instead of hanging them (its restarts: tests/test_serve_engine_death.py). The HTTP
+server over it: tests/test_serve*.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from serve_helpers import wait_until
 
 from flashpage import LLM, SamplingParams, load_tiny_model
 from flashpage.cli import _serve_engine_process
-from flashpage.serve.async_engine import EngineClosedError
+from flashpage.serve.async_engine import EngineClosedError, EngineDiedError
 from flashpage.serve.engine_process import EngineProcess, EngineSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
@@ -139,14 +140,18 @@ def test_a_dead_engine_process_fails_its_requests_instead_of_hanging() -> None:
         stream = proc.add_request("The list", SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
         it = iter(stream)
         next(it)
-        os.kill(proc.pid, signal.SIGKILL)
-        with pytest.raises(EngineClosedError, match="exited unexpectedly"):
+        pid = proc.pid
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(EngineDiedError, match=rf"engine process died \(pid {pid} exited unexpectedly: killed by "
+                                                  r"signal 9 \(SIGKILL\)\) before this request finished; no restart"):
             for _ in it:
                 pass
         wait_until(lambda: not proc.accepting, what="the front stops accepting")
-        with pytest.raises(EngineClosedError):
+        assert proc.fatal_error is not None and proc.restarts == 0  # max_restarts=0 (the default): gone for good
+        assert "no restart left" in (proc.unavailable or "")
+        with pytest.raises(EngineDiedError, match="no restart left"):
             proc.add_request("The list")
-        with pytest.raises(EngineClosedError):
+        with pytest.raises(EngineDiedError):
             proc.stats()
         assert proc.num_unfinished == 0
     finally:

@@ -18,8 +18,8 @@ def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 def test_serve_help_lists_server_and_engine_options(capsys: pytest.CaptureFixture[str]) -> None:
     text = _help(capsys, "serve")
     for option in ("--model", "--host", "--port", "--served-model-name", "--chat-template", "--max-waiting-requests",
-                   "--drain-timeout", "--max-num-seqs", "--num-blocks", "--block-size", "--max-model-len",
-                   "--no-enable-prefix-caching", "--dtype", "--device"):
+                   "--drain-timeout", "--max-engine-restarts", "--max-num-seqs", "--num-blocks", "--block-size",
+                   "--max-model-len", "--no-enable-prefix-caching", "--dtype", "--device"):
         assert option in text, option
     assert "serve" in _help(capsys)
     text = _help(capsys, "bench", "serve")
@@ -31,7 +31,9 @@ def test_serve_help_lists_server_and_engine_options(capsys: pytest.CaptureFixtur
     (["--chat-template", "/no/such/template.jinja"], "--chat-template /no/such/template.jinja: no such file"),
     (["--model", "./no-such-checkpoint"], "--model ./no-such-checkpoint: no such directory"),
     (["--dtype", "float33"], "--dtype float33: not a torch dtype"),
-], ids=["chat-template", "model", "dtype"])
+    (["--max-engine-restarts", "-1"], "--max-engine-restarts must be a number of restarts >= 0; got -1"),
+    (["--no-engine-process", "--max-engine-restarts", "2"], "--max-engine-restarts 2: only an engine process"),
+], ids=["chat-template", "model", "dtype", "max-engine-restarts", "max-engine-restarts-thread"])
 def test_serve_bad_values_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     assert main(["serve", "--port", "1", *argv]) == 2
     err = capsys.readouterr().err
@@ -61,3 +63,11 @@ def test_free_port_skips_ports_already_handed_out(monkeypatch) -> None:
 
     monkeypatch.setattr(ports.socket, "socket", FakeSocket)
     assert ports.free_port(avoid=(5000,)) == 5001
+
+
+def test_serve_restarts_a_dead_engine_process_3_times_by_default() -> None:
+    from flashpage.cli import _serve_max_engine_restarts
+
+    assert _serve_max_engine_restarts(None, True) == 3
+    assert _serve_max_engine_restarts(0, True) == 0
+    assert _serve_max_engine_restarts(None, False) == 3  # unused: a thread engine is never restarted

@@ -13,6 +13,7 @@ from typing import Any
 from flashpage.serve.async_engine import (
     AsyncLLM,
     EngineClosedError,
+    EngineDiedError,
     QueueFullError,
     RequestFailedError,
     RequestStream,
@@ -22,8 +23,8 @@ from flashpage.serve.async_engine import (
 _LAZY = {"build_app": "flashpage.serve.app", "ServeMetrics": "flashpage.serve.metrics",
          "ServerThread": "flashpage.serve.server", "run_server": "flashpage.serve.server"}
 
-__all__ = ["AsyncLLM", "EngineClosedError", "QueueFullError", "RequestFailedError", "RequestStream", "TokenEvent",
-           *_LAZY]
+__all__ = ["AsyncLLM", "EngineClosedError", "EngineDiedError", "QueueFullError", "RequestFailedError", "RequestStream",
+           "TokenEvent", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -2,8 +2,9 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server-sent events
 ending in ``data: [DONE]`` with ``stream: true``), ``GET /v1/models``, ``GET /health`` (503 while
-draining) and ``GET /metrics`` (Prometheus). Errors are OpenAI-shaped bodies: 400 naming the bad
-field, 404 for an unknown model, 503 with Retry-After when the waiting queue is full, 500 when the
+draining or while no engine process runs) and ``GET /metrics`` (Prometheus). Errors are OpenAI-shaped
+bodies: 400 naming the bad field, 404 for an unknown model, 503 with Retry-After when the waiting queue
+is full or the engine process died (its open requests too: the message says how it died), 500 when the
 engine step computing a request failed (in a stream: an error event, then ``[DONE]``).
 """
 
@@ -32,6 +33,7 @@ from flashpage.serve import structured as S
 from flashpage.serve.async_engine import (
     AsyncLLM,
     EngineClosedError,
+    EngineDiedError,
     QueueFullError,
     RequestFailedError,
     RequestStream,
@@ -76,7 +78,7 @@ def build_app(engine: AsyncLLM, model_name: str, *, chat_template: str | None = 
         raise ValueError(f"max_request_bytes must be a number of bytes >= 1; got {max_request_bytes!r}")
     tokenizer = _own_copy(engine.llm.tokenizer)
     if metrics is None:
-        metrics = ServeMetrics(engine.snapshot)
+        metrics = ServeMetrics(engine.snapshot, restarts=lambda: engine.restarts)
         engine.on_tokens, engine.on_finish = metrics.on_tokens, metrics.on_finish
     state = ServerState(engine, tokenizer, model_name, engine.llm.max_model_len, metrics, chat_template,
                         max_request_bytes, tokenizer_workers)
@@ -113,6 +115,11 @@ def _error_response(err: P.APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+def _unavailable(message: str) -> P.APIError:
+    """503 with Retry-After: shutting down, or no engine process runs now (it died)."""
+    return P.APIError(message, 503, "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _REFUSAL_REASONS = {404: "unknown_model", 413: "body_too_large"}  # else "invalid"
 
@@ -141,8 +148,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         if state.engine.accepting:
             return JSONResponse({})
-        return _error_response(P.APIError("the server is shutting down", 503, "service_unavailable",
-                                          headers={"Retry-After": str(RETRY_AFTER_SECONDS)}))
+        return _error_response(_unavailable(state.engine.unavailable or "the server is shutting down"))
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -292,6 +298,9 @@ async def _prepare(state: ServerState, spec: Any, param: str) -> None:
         await state.pool.run(lambda _tok: state.engine.llm.prepare_structured_outputs(spec))
     except ValueError as exc:
         raise P.APIError(str(exc), param=param) from None
+    except EngineClosedError as exc:  # the engine process died meanwhile
+        state.metrics.rejected.labels(reason="engine_unavailable").inc()
+        raise _unavailable(str(exc)) from None
 
 
 def _with_tools(choice: dict[str, Any], tools: S.ToolPlan) -> dict[str, Any]:
@@ -335,9 +344,9 @@ async def _submit(state: ServerState, prompts: list[Any], params: SamplingParams
             raise P.APIError(str(exc), 503, "service_unavailable",
                              headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         if isinstance(exc, EngineClosedError):
-            state.metrics.rejected.labels(reason="shutting_down").inc()
-            raise P.APIError(str(exc), 503, "service_unavailable",
-                             headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+            reason = "engine_unavailable" if isinstance(exc, EngineDiedError) else "shutting_down"
+            state.metrics.rejected.labels(reason=reason).inc()
+            raise _unavailable(str(exc)) from None
         if isinstance(exc, (ValueError, TypeError)):
             state.metrics.rejected.labels(reason="invalid").inc()
             raise P.engine_error(exc, prompt_param) from None
@@ -376,8 +385,10 @@ async def _collect(request: Request, state: ServerState,
     except RequestFailedError as exc:
         state.metrics.failed.inc()
         raise P.APIError(str(exc), 500, "internal_error") from None
-    except EngineClosedError as exc:
-        raise P.APIError(str(exc), 503, "service_unavailable") from None
+    except EngineClosedError as exc:  # shut down, or the engine process died (the message says how)
+        if isinstance(exc, EngineDiedError):
+            state.metrics.failed.inc()
+        raise _unavailable(str(exc)) from None
     finally:
         for fut in (watcher, gathered):  # a result that lost the race is read here, never logged as
             fut.cancel()                 # "exception was never retrieved" when the client went away
@@ -487,13 +498,17 @@ class _Job:
                 t.cancel()
 
     async def _guarded(self, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-        """Pass events through; a failed request becomes one error event (then the stream ends)."""
+        """Pass events through; a failed request becomes one error event (then the stream ends): 500 for a
+        failed engine step, 503 when the server shut down or the engine process died (the message says how)."""
         try:
             async for event in events:
                 yield event
-        except (RequestFailedError, EngineClosedError) as exc:
+        except RequestFailedError as exc:
             self.state.metrics.failed.inc()
             yield P.APIError(str(exc), 500, "internal_error").body()
+        except EngineClosedError as exc:
+            self.state.metrics.failed.inc()
+            yield _unavailable(str(exc)).body()
 
     def completion_events(self, echoes: list[str | None]) -> AsyncIterator[dict[str, Any]]:
         return self._guarded(self._completion_events(echoes))

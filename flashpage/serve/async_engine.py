@@ -48,6 +48,11 @@ class EngineClosedError(RuntimeError):
     """The front is stopped or draining and accepts no new request."""
 
 
+class EngineDiedError(EngineClosedError):
+    """The engine process died: its requests were lost, and no request is taken until a new one runs
+    (HTTP 503 with Retry-After; ``flashpage serve --max-engine-restarts``)."""
+
+
 class RequestFailedError(RuntimeError):
     """The engine step computing this request raised; the request was ended (HTTP 500)."""
 
@@ -231,6 +236,8 @@ class AsyncLLM:
         on_finish: called on the engine thread with each final :class:`RequestOutput`.
     """
 
+    restarts = 0  # engines started to replace a dead one (an engine process's count; a thread is never restarted)
+
     def __init__(self, llm: LLM, *, max_waiting_requests: int | None = 512,
                  on_tokens: Callable[[TokenEvent], None] | None = None,
                  on_finish: Callable[[RequestOutput], None] | None = None) -> None:
@@ -333,6 +340,18 @@ class AsyncLLM:
     @property
     def accepting(self) -> bool:
         return self._accepting and self.dead is None
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why the front takes no request now (``/health``'s 503 message); None while it takes them."""
+        if self.dead is not None:
+            return f"the engine loop died ({type(self.dead).__name__}: {self.dead})"
+        return None if self._accepting else "the server is shutting down"
+
+    @property
+    def fatal_error(self) -> BaseException | None:
+        """Set once the engine is gone for good (its loop died): ``flashpage serve`` then exits non-zero."""
+        return self.dead
 
     def stop_accepting(self) -> None:
         with self._cv:

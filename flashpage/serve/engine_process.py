@@ -19,8 +19,11 @@ cumulative :class:`RequestOutput` snapshots its streams hand out, so everything 
 metrics, ``latest()`` coalescing) is unchanged. Prompts arrive tokenized (the front tokenizes), so the
 child's tokenizer only detokenizes and checks stop strings.
 
-If the child dies, every open stream fails with :class:`EngineClosedError` and the front stops
-accepting (``/health`` turns 503): nothing hangs.
+If the child dies (the OOM killer, a crash in native code), every open stream and waiting call fails at once
+with :class:`EngineDiedError` naming how it died, and new requests are refused (``/health`` turns 503); then a
+new child is started (at most ``max_restarts`` times, ``flashpage serve --max-engine-restarts``) and serving
+goes on. With no restart left, :attr:`EngineProcess.fatal_error` is set, for the server to exit non-zero:
+nothing hangs, and the server never lingers without an engine.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -46,6 +49,7 @@ from flashpage.engine.outputs import CompletionOutput, RequestMetrics, TokenLogp
 from flashpage.serve.async_engine import (
     AsyncLLM,
     EngineClosedError,
+    EngineDiedError,
     Prompt,
     RequestStream,
     TokenEvent,
@@ -334,6 +338,74 @@ class _Open:
                              RequestMetrics(*metrics), self.prompt_logprobs)
 
 
+@dataclass(frozen=True)
+class _Ready:
+    """What a started engine process reports once its engine is built."""
+
+    tokenizer: bytes  # pickled
+    max_model_len: int
+    snapshot: EngineStats
+    binding: str
+
+
+def describe_exit(code: int | None) -> str:
+    """How a process ended, for a log line: "killed by signal 9 (SIGKILL)", "exit code 1"."""
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {-code} ({name})"
+    return f"exit code {code}"
+
+
+def check_max_restarts(value: int) -> None:
+    """ValueError unless ``max_restarts`` is an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"--max-engine-restarts must be a number of restarts >= 0; got {value!r}")
+
+
+def _join(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
+    """``proc``'s exit code, killing it if it has not exited within ``timeout`` seconds."""
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        return proc.returncode
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        log.warning("the engine process %d did not stop; killing it", proc.pid)
+        _kill_at_exit(proc)
+
+
+def _await_ready(conn: Connection, proc: subprocess.Popen[bytes], timeout: float,
+                 cancelled: Callable[[], bool] = lambda: False) -> _Ready:
+    """The child's ready report, or its startup error raised here (the child is then stopped). ``cancelled``
+    is checked every 0.1 s: once true, the child is killed and EngineClosedError raised."""
+    deadline = time.monotonic() + timeout
+    try:
+        while not conn.poll(0.1):
+            if cancelled():
+                raise EngineClosedError("the server shut down while the engine process was starting")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"the engine process did not start within {timeout:.0f} s")
+        msg = conn.recv()
+    except (EOFError, OSError):
+        msg = ("error", RuntimeError(f"the engine process exited while starting ({describe_exit(_join(proc, 5.0))}); "
+                                     "see its output above"))
+    except BaseException:
+        _kill_at_exit(proc)
+        raise
+    if msg[0] == "error":
+        _join(proc, 10.0)
+        raise msg[1]
+    return _Ready(*msg[1:])
+
+
 class EngineProcess:
     """Run the engine in a child process behind :class:`AsyncLLM`'s calls (see the module docstring).
 
@@ -341,7 +413,11 @@ class EngineProcess:
         spec: what the child builds (model, LLM keyword arguments, ``--cpu-bind``).
         max_waiting_requests: requests accepted but not yet running, at most (None: unbounded).
         on_tokens / on_finish: as :class:`AsyncLLM`'s, called on this process's reader thread.
-        startup_timeout: seconds the child may take to report ready.
+        startup_timeout: seconds the child may take to report ready (at start and at each restart).
+        max_restarts: engine processes started, at most, to replace one that died (``--max-engine-restarts``).
+            When the engine process dies, its open requests fail at once (:class:`EngineDiedError`) and new ones
+            are refused (``/health`` 503) until a new one is ready; with no restart left, :attr:`fatal_error`
+            is set and nothing is served any more.
 
     Raises the child's own error (ValueError, OSError, ...) when the engine cannot be built.
     """
@@ -349,10 +425,14 @@ class EngineProcess:
     def __init__(self, spec: EngineSpec, *, max_waiting_requests: int | None = 512,
                  on_tokens: Callable[[TokenEvent], None] | None = None,
                  on_finish: Callable[[RequestOutput], None] | None = None,
-                 startup_timeout: float = STARTUP_TIMEOUT) -> None:
+                 startup_timeout: float = STARTUP_TIMEOUT, max_restarts: int = 0) -> None:
         check_max_waiting(max_waiting_requests)
+        check_max_restarts(max_restarts)
+        self.spec, self.startup_timeout = spec, startup_timeout
         self.max_waiting_requests = max_waiting_requests
         self.on_tokens, self.on_finish = on_tokens, on_finish
+        self.max_restarts = max_restarts
+        self.restarts = 0  # engine processes started to replace one that died (failed starts included)
         self._lock = threading.Lock()
         self._open: dict[str, _Open] = {}
         self._unacked = 0
@@ -363,35 +443,25 @@ class EngineProcess:
         self._closing = False
         self._wakeups = _Wakeups()
         self._send_lock = threading.Lock()
-        self.dead: BaseException | None = None
-        self.failed_steps = 0  # engine steps that raised (as of the latest batch)
-        self._conn, self._proc = _start_child(spec)
-        weakref.finalize(self, _kill_at_exit, self._proc)  # an owner that never calls close()
-        tokenizer, max_model_len, self._snapshot, self.binding = self._await_ready(startup_timeout)
-        self.llm = RemoteLLM(pickle.loads(tokenizer), max_model_len, self._call)
-        self._reader = threading.Thread(target=self._read, name="flashpage-engine-reader", daemon=True)
+        self.dead: BaseException | None = None  # why no engine process serves now (None: one does)
+        self.fatal_error: BaseException | None = None  # set once none ever will again
+        self.failed_steps = 0  # engine steps that raised (as of the latest batch of the current engine process)
+        self._conn, self._proc = self._spawn()
+        ready = _await_ready(self._conn, self._proc, startup_timeout)
+        self._snapshot, self.binding = ready.snapshot, ready.binding
+        self.llm = RemoteLLM(pickle.loads(ready.tokenizer), ready.max_model_len, self._call)
+        self._reader = threading.Thread(target=self._supervise, name="flashpage-engine-reader", daemon=True)
         self._reader.start()
 
-    def _await_ready(self, timeout: float) -> tuple[Any, int, EngineStats, str]:
-        try:
-            if not self._conn.poll(timeout):
-                raise RuntimeError(f"the engine process did not start within {timeout:.0f} s")
-            msg = self._conn.recv()
-        except (EOFError, OSError):
-            msg = ("error", RuntimeError(f"the engine process exited while starting (exit code "
-                                         f"{self._join(5.0)}); see its output above"))
-        except BaseException:
-            self._kill()
-            raise
-        if msg[0] == "error":
-            self._join(10.0)
-            raise msg[1]
-        return msg[1], msg[2], msg[3], msg[4]
+    def _spawn(self) -> tuple[Connection, subprocess.Popen[bytes]]:
+        conn, proc = _start_child(self.spec)
+        weakref.finalize(self, _kill_at_exit, proc)  # an owner that never calls close()
+        return conn, proc
 
     # --------------------------------------------------------------------- AsyncLLM's calls
     @property
     def pid(self) -> int | None:
-        """The engine process's id."""
+        """The engine process's id (the current one's, after a restart)."""
         return self._proc.pid
 
     @property
@@ -406,9 +476,12 @@ class EngineProcess:
 
     def add_requests(self, prompts: Sequence[Prompt], params: SamplingParams | None = None,
                      request_ids: Sequence[str | None] | None = None) -> list[RequestStream]:
-        """:meth:`AsyncLLM.add_requests`: all or nothing, QueueFullError / ValueError / EngineClosedError."""
+        """:meth:`AsyncLLM.add_requests`: all or nothing, QueueFullError / ValueError / EngineClosedError
+        (EngineDiedError while no engine process runs)."""
         with self._lock:
-            if not self._accepting or self.dead is not None:
+            if self.dead is not None:
+                raise EngineDiedError(str(self.dead))
+            if not self._accepting:
                 raise EngineClosedError("the server is shutting down and accepts no new request")
             waiting = self._unacked + self._snapshot.waiting
             rids = admit(prompts, request_ids, self.max_waiting_requests, waiting, self._open, self._ids)
@@ -452,22 +525,32 @@ class EngineProcess:
     def accepting(self) -> bool:
         return self._accepting and self.dead is None
 
+    @property
+    def unavailable(self) -> str | None:
+        """Why no request is taken now (``/health``'s 503 message): the engine process died (and whether a new
+        one is starting), or the server is shutting down; None while requests are taken."""
+        dead = self.dead
+        if dead is not None:
+            return str(dead)
+        return None if self._accepting else "the server is shutting down"
+
     def stop_accepting(self) -> None:
         with self._lock:
             self._accepting = False
 
     def close(self, drain_timeout: float = 0.0) -> bool:
         """Stop accepting, let unfinished requests run up to ``drain_timeout`` seconds, abort the rest, stop
-        the engine process. Returns True when every request finished on its own."""
+        the engine process (or one being restarted). Returns True when every request finished on its own."""
         self.stop_accepting()
         deadline = time.monotonic() + drain_timeout
         while self.num_unfinished and time.monotonic() < deadline and self.dead is None:
             time.sleep(0.01)
         drained = self.num_unfinished == 0
-        self._closing = True
+        with self._lock:
+            self._closing = True
         self._send(("close",))
         self._reader.join(timeout=max(10.0, drain_timeout))
-        self._join(10.0)
+        _join(self._proc, 10.0)
         self._conn.close()
         self._fail_open(EngineClosedError("the server shut down before this request finished"))
         return drained
@@ -479,7 +562,7 @@ class EngineProcess:
                 self._conn.send(message)
         except (OSError, ValueError) as exc:  # the child is gone; the reader fails what is open
             if message[0] == "add":
-                raise EngineClosedError("the engine process has stopped; restart the server") from exc
+                raise EngineDiedError("the engine process died; no request is taken until a new one runs") from exc
 
     def _call(self, name: str, *args: Any) -> Any:
         """Run ``name`` in the engine process and return its value (or raise its error)."""
@@ -487,38 +570,123 @@ class EngineProcess:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self.dead is not None:
-                raise EngineClosedError("the engine process has stopped; restart the server")
+                raise EngineDiedError(str(self.dead))
             self._replies[call_id] = future
         self._send(("call", call_id, name, args))
         return future.result()
 
-    def _read(self) -> None:
-        reason: BaseException = EngineClosedError("the server shut down before this request finished")
+    def _supervise(self) -> None:
+        """The reader thread: deliver the engine process's messages; when it dies, fail what was open and start
+        a new one (up to ``max_restarts``), else stop serving for good."""
+        try:
+            while (death := self._read(self._conn, self._proc)) is not None:
+                if not self._restart(death):
+                    return
+            closed = EngineClosedError("the server shut down before this request finished")
+            self._stop_serving(closed, closed)
+        except BaseException as exc:  # a bug here: fail everything rather than hang the clients
+            log.exception("engine reader died")
+            _kill(self._proc)
+            error = EngineDiedError(f"the server's engine reader failed: {type(exc).__name__}: {exc}")
+            self._stop_serving(error, error, fatal=True)
+
+    def _read(self, conn: Connection, proc: subprocess.Popen[bytes]) -> str | None:
+        """Deliver messages until the engine process closes (None) or dies (what happened, once its requests
+        failed). The process is checked every second too, in case another process holds its end of the pipe."""
         try:
             while True:
-                msg = self._conn.recv()
+                if not conn.poll(1.0):
+                    if proc.poll() is None:
+                        continue
+                    raise EOFError("the engine process exited")
+                msg = conn.recv()
                 if msg[0] == "batch":
                     self._deliver(*msg[1:])
                 elif msg[0] == "reply":
                     self._reply(*msg[1:])
                 elif msg[0] == "closed":
-                    break
-        except (EOFError, OSError) as exc:
-            if not self._closing:
-                code = self._join(5.0)
-                log.error("the engine process exited unexpectedly (exit code %s)", code)
-                reason = EngineClosedError(f"the engine process exited unexpectedly (exit code {code}); "
-                                           "restart the server")
-                reason.__cause__ = exc
-        except BaseException as exc:  # a bug here: fail everything rather than hang the clients
-            log.exception("engine reader died")
-            reason = EngineClosedError(f"the server's engine reader failed: {type(exc).__name__}: {exc}")
-        self.dead = reason
-        self._fail_open(reason)
+                    return None
+        except (EOFError, OSError):
+            if self._closing:
+                return None
+            return self._died(proc)
+
+    def _died(self, proc: subprocess.Popen[bytes]) -> str:
+        """The engine process died: refuse new requests, fail the open ones and any call waiting for it.
+        Returns the death's description."""
+        death = f"the engine process died (pid {proc.pid} exited unexpectedly: {describe_exit(_join(proc, 5.0))})"
         with self._lock:
+            restarting = self._accepting and self.restarts < self.max_restarts
+            fatal = self._accepting and not restarting
+            plan = self._plan(restarting)
+            failed = len(self._open)
+            self._snapshot = replace(self._snapshot, running=0, waiting=0)
+        log.error("%s; %d open request(s) failed; %s", death, failed, plan)
+        advice = ": retry shortly" if restarting else ""
+        self._stop_serving(EngineDiedError(f"{death}; {plan}{advice}"),
+                           EngineDiedError(f"{death} before this request finished; {plan}{advice}"), fatal)
+        return death
+
+    def _plan(self, restarting: bool) -> str:
+        """What happens after a death (for the log and the clients); called with ``_lock`` held."""
+        if restarting:
+            return f"starting a new one (restart {self.restarts + 1} of {self.max_restarts})"
+        if not self._accepting:
+            return "the server is shutting down"
+        return f"no restart left (--max-engine-restarts {self.max_restarts}, {self.restarts} used): the server stops"
+
+    def _stop_serving(self, dead: BaseException, failure: BaseException, fatal: bool = False) -> None:
+        """Take no request (``dead`` says why), fail the open ones and waiting calls with ``failure``."""
+        with self._lock:
+            self.dead = dead
+            if fatal:
+                self.fatal_error = dead
             replies, self._replies = self._replies, {}
+        self._fail_open(failure)
         for future in replies.values():
-            future.set_exception(reason)
+            future.set_exception(failure)
+
+    def _restart(self, death: str) -> bool:
+        """Start engine processes until one is ready (True) or no restart is left, or the server stops (False)."""
+        while True:
+            with self._lock:
+                if self._closing or not self._accepting or self.fatal_error is not None:
+                    return False
+                if self.restarts >= self.max_restarts:
+                    self.fatal_error = self.dead = EngineDiedError(f"{death}; {self._plan(False)}")
+                    log.error("the engine process could not be restarted; %s", self._plan(False))
+                    return False
+                self.dead = EngineDiedError(f"{death}; {self._plan(True)}: retry shortly")
+                self.restarts += 1
+                attempt = f"restart {self.restarts} of {self.max_restarts}"
+            try:
+                conn, proc = self._spawn()
+            except OSError as exc:
+                log.error("engine process %s failed: %s", attempt, exc)
+                continue
+            try:
+                ready = _await_ready(conn, proc, self.startup_timeout, cancelled=lambda: self._closing)
+            except BaseException as exc:
+                conn.close()
+                if not self._closing:
+                    log.error("engine process %s failed: %s: %s", attempt, type(exc).__name__, exc)
+                continue
+            if self._adopt(conn, proc, ready):
+                log.warning("engine process %d started (%s); serving again", proc.pid, attempt)
+                return True
+
+    def _adopt(self, conn: Connection, proc: subprocess.Popen[bytes], ready: _Ready) -> bool:
+        """Serve with this (ready) engine process, unless the server stopped meanwhile (then it is stopped)."""
+        with self._lock, self._send_lock:
+            adopted = not self._closing and self._accepting
+            if adopted:
+                self._conn, self._proc = conn, proc
+                self._snapshot, self.binding, self.failed_steps = ready.snapshot, ready.binding, 0
+                self.dead = None
+        if not adopted:
+            conn.close()  # the child sees EOF and exits
+            _join(proc, 10.0)
+        return adopted
 
     def _deliver(self, items: list[tuple[str, tuple[Any, ...]]], events: list[TokenEvent],
                  snapshot: EngineStats, failed_steps: int) -> None:
@@ -572,15 +740,3 @@ class EngineProcess:
         for req in pending.values():
             wakeups.put(req.stream, _Failed(error))
         wakeups.flush()
-
-    def _join(self, timeout: float) -> int | None:
-        try:
-            return self._proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._kill()
-            return self._proc.returncode
-
-    def _kill(self) -> None:
-        if self._proc.poll() is None:
-            log.warning("the engine process did not stop; killing it")
-            _kill_at_exit(self._proc)

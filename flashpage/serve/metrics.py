@@ -3,7 +3,9 @@
 Engine figures (requests running / waiting, KV blocks, prefix hit rate, preemptions, generated
 tokens) are read from the engine's latest snapshot at scrape time; latencies (time to first
 token, inter-token latency, end-to-end) and finished requests are recorded as outputs are
-delivered, on the engine thread (prometheus_client is thread-safe).
+delivered, on the engine thread (prometheus_client is thread-safe). ``flashpage_engine_restarts_total``
+counts engine processes started to replace one that died; the engine's own counters (steps, tokens,
+preemptions) start again from 0 in a new engine process, which Prometheus' ``rate()`` reads as a reset.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], restarts: Callable[[], int]) -> None:
         self._stats = stats
+        self._restarts = restarts
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -47,6 +50,7 @@ class _EngineCollector(Collector):
                                           s.preemptions),
             "flashpage_generation_tokens": ("Tokens generated.", s.generated_tokens),
             "flashpage_engine_steps": ("Engine steps (packed forwards).", s.steps),
+            "flashpage_engine_restarts": ("Engine processes started to replace one that died.", self._restarts()),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
@@ -84,11 +88,12 @@ class RefusalCounter:
 
 
 class ServeMetrics:
-    """The registry and the recorders the engine front calls."""
+    """The registry and the recorders the engine front calls. ``restarts``: the engine's restart count
+    (``EngineProcess.restarts``; default none)."""
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], restarts: Callable[[], int] = lambda: 0) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats))
+        self.registry.register(_EngineCollector(stats, restarts))
         r = self.registry
         self.ttft = Histogram("flashpage_time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -99,7 +104,8 @@ class ServeMetrics:
         self.finished = Counter("flashpage_request_success", "Finished requests by finish reason.",
                                 ["finished_reason"], registry=r)
         self.prompt_tokens = Counter("flashpage_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.failed = Counter("flashpage_request_failures", "Requests ended by a failed engine step.", registry=r)
+        self.failed = Counter("flashpage_request_failures",
+                              "Requests ended by a failed engine step or a dead engine process.", registry=r)
         self.rejected = RefusalCounter(r)
 
     def on_tokens(self, event: TokenEvent) -> None:

@@ -7,6 +7,12 @@ turns 503; running requests finish for up to ``drain_timeout`` seconds, then the
 (their responses end properly: finish_reason "abort", then ``[DONE]``); only then does uvicorn close
 the socket and the connections, the engine thread stops, and the process exits 0. A second signal
 during the drain aborts what runs and exits at once.
+
+If the engine process dies (``--engine-process``, the default), its open requests fail at once (503, or an
+error event in a stream) and a new one is started, at most ``--max-engine-restarts`` times (default
+:data:`DEFAULT_MAX_ENGINE_RESTARTS`); ``/health`` is 503 meanwhile. Once no restart is left (or a thread
+engine's loop died), the server stops as on SIGTERM and exits with :data:`ENGINE_DIED_EXIT_CODE`, for a
+supervisor to restart it: it never stays up without an engine.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from flashpage.serve.async_engine import AsyncLLM
 from flashpage.serve.engine_process import EngineProcess, EngineSpec
 
 TINY_MODEL_NAME = "flashpage-tiny"
+DEFAULT_MAX_ENGINE_RESTARTS = 3  # --max-engine-restarts: engine processes started to replace dead ones, at most
+ENGINE_DIED_EXIT_CODE = 1  # the exit code once the engine died with no restart left
 
 
 @dataclass
@@ -44,6 +52,7 @@ class ServeOptions:
     log_level: str = "info"
     cpu_bind: str = "none"  # --cpu-bind (flashpage/cpu_threads.py), applied once the engine is built
     engine_process: bool = False  # the engine in its own process (the CLI's default), else a thread of this one
+    max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS  # engine process only: restarts after a death, at most
     engine: dict[str, Any] = field(default_factory=dict)
 
 
@@ -54,7 +63,8 @@ class _DrainingServer(uvicorn.Server):
     """uvicorn.Server that drains on SIGTERM/SIGINT before uvicorn closes anything: the engine front
     stops accepting (new requests get 503 + Retry-After from the app while the socket stays open),
     running requests get up to ``drain_timeout`` seconds, what still runs then is aborted, and only
-    once nothing is left (or a second signal) is uvicorn told to exit."""
+    once nothing is left (or a second signal) is uvicorn told to exit. An engine gone for good (its
+    ``fatal_error``: no restart left) makes it exit too, within a tick (0.1 s), its clients already failed."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLM | EngineProcess, drain_timeout: float) -> None:
         super().__init__(config)
@@ -63,6 +73,17 @@ class _DrainingServer(uvicorn.Server):
         self.drainer: threading.Thread | None = None
         self.cut = threading.Event()
         self.stop = threading.Event()
+        self.engine_failed: BaseException | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        fatal = self.engine.fatal_error
+        if fatal is not None and self.engine_failed is None:
+            self.engine_failed = fatal
+            print(f"flashpage serve: stopping, exit code {ENGINE_DIED_EXIT_CODE}: {fatal}", file=sys.stderr,
+                  flush=True)
+            self.engine.stop_accepting()
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.engine.stop_accepting()
@@ -121,7 +142,8 @@ def build_engine(options: ServeOptions) -> AsyncLLM | EngineProcess:
     ``--cpu-bind``), else an engine thread of this process."""
     if options.engine_process:
         spec = EngineSpec(options.model, dict(options.engine), options.cpu_bind)
-        return EngineProcess(spec, max_waiting_requests=options.max_waiting_requests)
+        return EngineProcess(spec, max_waiting_requests=options.max_waiting_requests,
+                             max_restarts=options.max_engine_restarts)
     llm = build_llm(options.model, options.engine)
     return AsyncLLM(llm, max_waiting_requests=options.max_waiting_requests)
 
@@ -173,7 +195,8 @@ def _serve(options: ServeOptions, engine: AsyncLLM | EngineProcess, template: st
     from flashpage.serve.app import build_app
 
     if isinstance(engine, EngineProcess):  # bound in its own process, after the model loaded
-        print(f"flashpage serve: engine process {engine.pid}; CPU {engine.binding}", file=sys.stderr)
+        print(f"flashpage serve: engine process {engine.pid}; CPU {engine.binding}; "
+              f"{_restart_policy(engine.max_restarts)}", file=sys.stderr, flush=True)
     elif options.cpu_bind != "none":  # after the model loaded: bad arguments fail first, loading threads are bound too
         print(f"flashpage serve: CPU {bind_engine_threads(options.cpu_bind, engine)}", file=sys.stderr)
     name = options.served_model_name or options.model or TINY_MODEL_NAME
@@ -193,10 +216,22 @@ def _serve(options: ServeOptions, engine: AsyncLLM | EngineProcess, template: st
         engine.close(drain_timeout=0.0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if server.engine_failed is not None:
+        print(f"flashpage serve: stopped (the engine died, no restart left); exit code {ENGINE_DIED_EXIT_CODE}",
+              file=sys.stderr)
+        return ENGINE_DIED_EXIT_CODE
     how = "requests still running after --drain-timeout were aborted" if server.cut.is_set() \
         else "all requests finished"
     print(f"flashpage serve: stopped ({how})", file=sys.stderr)
     return 0 if server.started else 1
+
+
+def _restart_policy(max_restarts: int) -> str:
+    """What the server does when its engine process dies, for the startup line."""
+    if max_restarts == 0:
+        return "if it dies, the server exits (--max-engine-restarts 0)"
+    times = "time" if max_restarts == 1 else "times"
+    return f"if it dies, a new one is started (at most {max_restarts} {times}, --max-engine-restarts)"
 
 
 class ServerThread:

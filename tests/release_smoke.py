@@ -2,7 +2,8 @@
 
 Run as a script (``python tests/release_smoke.py``); ``.ci/smoke`` runs it once per transformers 5.x minor
 line. It is the fast, broad check (a few seconds a release): each ``generate()`` mode transformers offers
-on a patched model (greedy, seeded sampling, beam search, assisted decoding, prompt lookup, ``output_attentions``
+on a patched model (greedy, seeded sampling, beam search, assisted decoding, prompt lookup, early exit
+(self-speculation), ``output_attentions``
 with ``return_dict_in_generate``, a returned cache continued by a second call) must give exactly the unpatched
 model's tokens, and ``LLM`` must give ``generate()``'s greedy tokens; on llama and mistral (sliding window),
 plus the patch of the families with their own attention code (falcon, gpt2, gpt_neox) and a hybrid model.
@@ -91,8 +92,9 @@ def generate_modes(family: str) -> dict[str, Callable[[], None]]:
     one = dict(input_ids=ids[1:2], attention_mask=mask[1:2], max_new_tokens=MAX_NEW)
 
     def check(kwargs: dict[str, Any], what: str, also: tuple[torch.nn.Module, ...] = ()) -> Callable[[], None]:
-        speculative = "assistant_model" in kwargs or "prompt_lookup_num_tokens" in kwargs
-        plain = {k: v for k, v in kwargs.items() if k not in ("assistant_model", "prompt_lookup_num_tokens")}
+        drafting = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+        speculative = any(k in kwargs for k in drafting)
+        plain = {k: v for k, v in kwargs.items() if k not in drafting}
 
         def run() -> None:  # greedy speculative decoding gives plain greedy's tokens: the fallback reference
             ref, got = _ab(model, lambda: model.generate(**kwargs), also,
@@ -121,6 +123,7 @@ def generate_modes(family: str) -> dict[str, Callable[[], None]]:
         "beam search": check({**batch, "do_sample": False, "num_beams": 3}, "beam search"),
         "assisted": check({**one, "do_sample": False, "assistant_model": assistant}, "assisted", (assistant,)),
         "prompt lookup": check({**one, "do_sample": False, "prompt_lookup_num_tokens": 3}, "prompt lookup"),
+        "early exit": check({**one, "do_sample": False, "assistant_early_exit": 1}, "early exit"),
         "output_attentions": check({**batch, "do_sample": False, "output_attentions": True,
                                     "return_dict_in_generate": True}, "output_attentions"),
         "assisted+attentions": check({**one, "do_sample": False, "assistant_model": assistant,

@@ -25,9 +25,11 @@ gelu stay on torch ops.
 Outside the scope (``model.generate()``, training, other threads, torch.compile traces) every patched
 forward calls the module's own code, so the model computes exactly what it did. Only float32
 activations take the fused ops (the rounding of other dtypes differs between the two orders).
-Results differ from the modules' own by float32 rounding (probe tolerance 1e-5). ``FLASHPAGE_FASTPATH=0``
-turns it off; ``FLASHPAGE_FASTPATH=torch`` keeps the fused torch forms but not the C++ ops (read at
-each engine step: an A/B switch).
+Results differ from the modules' own by float32 rounding (probe tolerance 1e-5). The probes run on small
+stand-ins (a norm's shallow copy with a random weight of its own, an MLP's 32-wide slices), never on a deep
+copy: a patched module's ``_flashpage_state`` holds the whole model. ``FLASHPAGE_FASTPATH=0`` turns it off;
+``FLASHPAGE_FASTPATH=torch`` keeps the fused torch forms but not the C++ ops (read at each engine step: an A/B
+switch).
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ def _fused_norm(norm: FusedNorm, x: torch.Tensor, weight: torch.Tensor,
 def probe_norm(module: torch.nn.Module) -> FusedNorm | None:
     """The fused form of ``module`` if its own forward computes it (random x and weight, float32), else None.
     Candidates: a module with a 1-D float32 ``weight``, an ``eps`` attribute and no children (torch's own
-    norm modules are one op already). ``cpp`` is set when the C++ ops load and compute it too."""
+    norm modules are one op already). ``cpp`` is set when the C++ ops load and compute it too. The forward runs on
+    a stand-in with the random weight (:func:`_norm_probe`), never on a copy of the model."""
     weight = getattr(module, "weight", None)
     eps = _norm_eps(module)
     if (eps is None or not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1
@@ -157,8 +160,7 @@ def probe_norm(module: torch.nn.Module) -> FusedNorm | None:
     g = torch.Generator().manual_seed(0)
     try:
         with torch.no_grad():
-            probe = copy.deepcopy(module).cpu()
-            probe.weight.copy_(torch.randn(dim, generator=g) * 0.5)
+            probe = _norm_probe(module, torch.randn(dim, generator=g) * 0.5)
             x = torch.randn(2, 3, dim, generator=g) * 2.0 + 0.3
             want = type(module).forward(probe, x)
             for centred in (False, True):
@@ -171,6 +173,26 @@ def probe_norm(module: torch.nn.Module) -> FusedNorm | None:
     except Exception:  # a module that is not a plain x -> norm(x) forward is simply not a candidate
         return None
     return None
+
+
+def _norm_probe(module: torch.nn.Module, weight: torch.Tensor) -> torch.nn.Module:
+    """A CPU stand-in of the norm ``module`` for its probe: a shallow copy whose parameter and buffer tables are
+    its own, ``weight`` (a CPU tensor) as its weight and CPU clones of its other parameters and buffers (a
+    childless norm's: a few vectors at most). Never a deep copy: a patched module's ``_flashpage_state`` holds the
+    whole model, which a deep copy of any one of its modules copies too. The module itself is not touched."""
+    probe = copy.copy(module)
+    probe._parameters = {name: _cpu_parameter(weight if name == "weight" else p, p)
+                         for name, p in module._parameters.items()}
+    probe._buffers = {name: None if b is None else b.detach().to("cpu", copy=True)
+                      for name, b in module._buffers.items()}
+    return probe
+
+
+def _cpu_parameter(value: torch.Tensor | None, like: torch.nn.Parameter | None) -> torch.nn.Parameter | None:
+    """A CPU Parameter holding a copy of ``value``, as ``like`` requires grad (None stays None)."""
+    if value is None or like is None:
+        return None
+    return torch.nn.Parameter(value.detach().to("cpu", copy=True), requires_grad=like.requires_grad)
 
 
 def _norm_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

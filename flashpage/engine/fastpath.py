@@ -284,6 +284,22 @@ def _rotary_dispatch(original: Callable[..., Any], cpp: bool) -> Callable[..., A
     return apply_rotary_pos_emb
 
 
+def _rotary_function(fn: Any) -> Callable[..., Any] | None:
+    """A modeling module's ``apply_rotary_pos_emb`` as a plain function: itself, or the function a hub-kernel
+    wrapper holds (from transformers 5.25, with the ``kernels`` package it requires, the global is an
+    ``nn.Module`` whose ``forward`` calls the function it closes over, unless the model was kernelized); None for
+    anything else."""
+    if isinstance(fn, types.FunctionType):
+        return fn
+    if isinstance(fn, torch.nn.Module):
+        try:
+            inner = inspect.getclosurevars(type(fn).forward).nonlocals.get("func")
+        except (TypeError, ValueError):
+            return None
+        return inner if isinstance(inner, types.FunctionType) else None
+    return None
+
+
 def install_rotary(model: torch.nn.Module) -> list[str]:
     """Give the modeling modules of ``model``'s classes whose ``apply_rotary_pos_emb`` passes the probe
     the scoped fused form (a module global: the dispatcher calls the original outside the scope), with
@@ -293,15 +309,16 @@ def install_rotary(model: torch.nn.Module) -> list[str]:
     for name in sorted({type(m).__module__ for m in model.modules()}):
         mod = sys.modules.get(name)
         fn = getattr(mod, "apply_rotary_pos_emb", None) if mod is not None else None
-        if not isinstance(fn, types.FunctionType):
+        plain = _rotary_function(fn)
+        if plain is None:
             continue
         if getattr(fn, "_flashpage_rotary", False):
             if cpu and not fn._flashpage_cpp and (ops := cpp_ops()) is not None:  # installed while they were off
-                fn._flashpage_cpp = _probe_rotary(fn.__wrapped__, ops)
+                fn._flashpage_cpp = _probe_rotary(_rotary_function(fn.__wrapped__), ops)
             done.append(name)
-        elif _probe_rotary(fn):
+        elif _probe_rotary(plain):  # the dispatcher calls the global it replaces (a hub-kernel wrapper stays one)
             ops = cpp_ops() if cpu else None
-            mod.apply_rotary_pos_emb = _rotary_dispatch(fn, ops is not None and _probe_rotary(fn, ops))
+            mod.apply_rotary_pos_emb = _rotary_dispatch(fn, ops is not None and _probe_rotary(plain, ops))
             done.append(name)
     return done
 

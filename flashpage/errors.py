@@ -62,3 +62,9 @@ class UnknownSequenceError(FlashpageError, KeyError):
 
 class InvariantError(FlashpageError, AssertionError):
     """The block accounting is inconsistent (a bug in flashpage: please report it)."""
+
+
+class NonCausalMaskError(FlashpageError, NotImplementedError):
+    """A patched model's forward built an attention mask that lets tokens see later tokens (Gemma 3 / Gemma 4 /
+    PaliGemma image tokens attend bidirectionally), which flashpage's causal paged attention cannot compute.
+    Raised while the mask is built, before any layer writes K/V."""

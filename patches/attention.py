@@ -18,6 +18,7 @@ would try to import flash-attn). The attention function has two paths:
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from flashpage.errors import NonCausalMaskError
 from flashpage.kernels import dispatch
 from flashpage.kernels.paged import LayerOptions
 from flashpage.patches.unpatched import run_unpatched, unpatched_attention
@@ -32,15 +34,55 @@ from flashpage.patches.unpatched import run_unpatched, unpatched_attention
 ATTN_NAME = "pagedkv"
 
 
+# the patched forward in flight whose attention reads the pages and ignores the mask (set by patching's hooks)
+PAGED_FORWARD: ContextVar[str | None] = ContextVar("flashpage_paged_forward", default=None)
+
+
 def paged_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """Mask function: transformers' own sdpa mask, (B, 1, Lq, Lk) bool or None.
 
-    The paged path ignores it (the step plan knows every sequence's keys); the dense path
+    The paged path ignores it (the step plan knows every sequence's keys, causal); the dense path
     (``use_cache=False``, a cache the caller chose, dense-view families) and attention weights use
     it exactly as transformers' sdpa / eager attention would, so those agree with the unpatched
-    model. Trace-friendly: ``torch.compile(fullgraph=True)`` goes through it.
+    model. In a paged forward, a mask that lets a real token see a later one (image tokens attending
+    bidirectionally) raises :class:`~flashpage.errors.NonCausalMaskError` here, before any layer runs,
+    instead of being silently computed causally. Trace-friendly: ``torch.compile(fullgraph=True)`` goes
+    through it (the check is skipped while compiling).
     """
-    return ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"](*args, **kwargs)
+    mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"](*args, **kwargs)
+    model = PAGED_FORWARD.get()
+    if model is not None and isinstance(mask, torch.Tensor) and not torch.compiler.is_compiling() \
+            and mask.dim() == 4 and mask.shape[-2] > 1 and sees_later_tokens(mask, kwargs):
+        raise NonCausalMaskError(
+            f"{model}'s attention mask for this input lets tokens see later tokens (bidirectional attention, e.g. "
+            "over image tokens marked by token_type_ids / mm_token_type_ids), which flashpage's causal paged "
+            "attention cannot compute exactly. Generate such inputs unpatched (`with flashpage.unpatched(model): "
+            "model.generate(...)`); text-only prompts run patched as before.")
+    return mask
+
+
+def sees_later_tokens(mask: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether a (B, 1, Lq, Lk) bool mask lets a real (unpadded) query see a key at a later position.
+
+    Query positions come from ``cache_position`` (transformers < 5.5) or ``q_offset``, key positions from
+    ``kv_offset`` (both default to a query block ending the keys); padded query rows (0 in the 2D
+    ``attention_mask``) are not counted."""
+    q_len, k_len = mask.shape[-2], mask.shape[-1]
+    device = mask.device
+    positions = kwargs.get("cache_position")
+    if isinstance(positions, torch.Tensor) and positions.numel() == q_len:
+        q_pos = positions.to(device=device, dtype=torch.long)
+    else:
+        q_offset = kwargs.get("q_offset", k_len - q_len)
+        q_pos = torch.arange(q_len, device=device) + int(q_offset)
+    k_pos = torch.arange(k_len, device=device) + int(kwargs.get("kv_offset", 0) or 0)
+    later = mask & (k_pos[None, :] > q_pos[:, None])  # (B, 1, Lq, Lk)
+    rows = later.any(dim=-1)[:, 0]  # (B, Lq)
+    padding = kwargs.get("attention_mask")
+    if isinstance(padding, torch.Tensor) and padding.dim() == 2:
+        column = (q_pos - int(kwargs.get("kv_offset", 0) or 0)).clamp(0, padding.shape[1] - 1).to(padding.device)
+        rows = rows & padding.index_select(1, column).to(device=device, dtype=torch.bool)
+    return bool(rows.any())
 
 
 def _kernel_options(module: torch.nn.Module, scaling: float | None, sliding_window: int | None,

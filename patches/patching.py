@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from flashpage.errors import check_positive_ints
 from flashpage.patches import checks
-from flashpage.patches.attention import ATTN_NAME, register
+from flashpage.patches.attention import ATTN_NAME, PAGED_FORWARD, register
 from flashpage.patches.compat import NEWEST_TESTED, cache_kwarg, installed_version, require_supported_transformers
 from flashpage.patches.deepseek import NOTE as MLA_NOTE
 from flashpage.patches.deepseek import is_mla
@@ -345,6 +345,7 @@ def _pre_hook(state: PatchState):
             # the outer model already planned this forward and handed its cache down. (A state left by an
             # interrupted forward, whose post-hook torch skips on KeyboardInterrupt, never has this cache.)
             return
+        PAGED_FORWARD.set(None)
         state.planner = module
         if not isinstance(cache, HFPagedCache):
             state.active_cache = None
@@ -358,6 +359,8 @@ def _pre_hook(state: PatchState):
         state.active_cache = cache
         if state.family.path == "adapter":  # their models build ALiBi / masks from the 2D mask as given
             return None
+        if state.family.path == "interface" and not cache.dense_view:  # attention on the pages: the mask unread
+            PAGED_FORWARD.set(type(module).__name__)
         return _fixed_width_mask(cache, args, kwargs)
 
     return hook
@@ -380,6 +383,7 @@ def _post_hook(state: PatchState):
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if module is not state.planner:
             return
+        PAGED_FORWARD.set(None)
         cache, state.active_cache, state.planner = state.active_cache, None, None
         if cache is not None:
             cache.end_forward(ok=output is not None)

@@ -131,3 +131,54 @@ def test_config_switch_with_explicit_paged_cache_is_refused() -> None:
     with pytest.raises(RuntimeError, match="only flashpage's attention can read"):
         with torch.inference_mode():
             model(**_inputs(MASKS["right"]), cache=HFPagedCache(model.config), use_cache=True)
+
+
+# ------------------------------------------------------------------------------ bidirectional image attention
+def _tiny_gemma3_vlm() -> torch.nn.Module:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=7)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=290,
+                          boi_token_index=291, eoi_token_index=292)
+    torch.manual_seed(0)
+    return Gemma3ForConditionalGeneration(config).eval()
+
+
+def test_image_tokens_attending_both_ways_are_refused_not_computed_causally() -> None:
+    """Gemma 3 lets image tokens (token_type_ids 1) attend to each other both ways; flashpage's paged attention is
+    causal. Patched generate() on such an input raises NonCausalMaskError while the mask is built (it was silently
+    different before); text-only prompts on the same model stay exact, and the cache is left usable."""
+    from flashpage.errors import NonCausalMaskError
+
+    model = _tiny_gemma3_vlm()
+    ids = torch.tensor([[2, 291, 290, 290, 290, 290, 292, 10, 11, 12]])
+    image = dict(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=(ids == 290).long(),
+                 pixel_values=torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(1)))
+    text = dict(input_ids=torch.tensor([[2, 10, 11, 12, 13]]))
+    ref_text = model.generate(**text, max_new_tokens=5, do_sample=False)
+    model.generate(**image, max_new_tokens=3, do_sample=False)  # transformers itself runs it
+    with flashpage.patched(model):
+        with pytest.raises(NonCausalMaskError, match="later tokens.*unpatched"):
+            model.generate(**image, max_new_tokens=3, do_sample=False)
+        assert torch.equal(model.generate(**text, max_new_tokens=5, do_sample=False), ref_text)
+
+
+def test_later_token_check_reads_positions_and_padding() -> None:
+    from flashpage.patches.attention import sees_later_tokens
+
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()[None, None]
+    assert not sees_later_tokens(causal, {})
+    assert sees_later_tokens(torch.ones(1, 1, 4, 4, dtype=torch.bool), {})
+    # 2 queries after 3 cached keys (positions 3 and 4), bottom-right causal: only the position says it is causal
+    block = torch.tensor([[[[True, True, True, True, False], [True, True, True, True, True]]]])
+    assert not sees_later_tokens(block, {"q_offset": 3}) and sees_later_tokens(block, {"q_offset": 1})
+    assert not sees_later_tokens(block, {"cache_position": torch.tensor([3, 4])})
+    assert sees_later_tokens(block, {"cache_position": torch.tensor([2, 3])})
+    # a padded query row that sees everything does not count
+    row = torch.tensor([[[[True, True, True], [True, True, False], [True, True, True]]]])
+    assert sees_later_tokens(row, {})
+    assert not sees_later_tokens(row, {"attention_mask": torch.tensor([[0, 1, 1]])})

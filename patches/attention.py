@@ -56,8 +56,8 @@ def paged_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
         raise NonCausalMaskError(
             f"{model}'s attention mask for this input lets tokens see later tokens (bidirectional attention, e.g. "
             "over image tokens marked by token_type_ids / mm_token_type_ids), which flashpage's causal paged "
-            "attention cannot compute exactly. Generate such inputs unpatched (`with flashpage.unpatched(model): "
-            "model.generate(...)`); text-only prompts run patched as before.")
+            "attention cannot compute exactly. Generate such inputs on the unpatched model (flashpage.unpatch(model), "
+            "then flashpage.patch(model) again); text-only prompts run patched as before.")
     return mask
 
 

@@ -162,7 +162,7 @@ def test_image_tokens_attending_both_ways_are_refused_not_computed_causally() ->
     ref_text = model.generate(**text, max_new_tokens=5, do_sample=False)
     model.generate(**image, max_new_tokens=3, do_sample=False)  # transformers itself runs it
     with flashpage.patched(model):
-        with pytest.raises(NonCausalMaskError, match="later tokens.*unpatched"):
+        with pytest.raises(NonCausalMaskError, match="later tokens.*unpatch"):
             model.generate(**image, max_new_tokens=3, do_sample=False)
         assert torch.equal(model.generate(**text, max_new_tokens=5, do_sample=False), ref_text)
 

@@ -18,7 +18,7 @@ would try to import flash-attn). The attention function has two paths:
 
 from __future__ import annotations
 
-from contextvars import ContextVar
+import threading
 from typing import Any
 
 import torch
@@ -34,8 +34,15 @@ from flashpage.patches.unpatched import run_unpatched, unpatched_attention
 ATTN_NAME = "pagedkv"
 
 
-# the patched forward in flight whose attention reads the pages and ignores the mask (set by patching's hooks)
-PAGED_FORWARD: ContextVar[str | None] = ContextVar("flashpage_paged_forward", default=None)
+# per thread: the patched forward in flight whose causal attention reads the pages and ignores the mask
+_PAGED_FORWARD = threading.local()
+
+
+def set_paged_forward(model: str | None) -> None:
+    """Say (patching's hooks) which model's paged forward is in flight on this thread (None: none). Skipped under
+    ``torch.compile``, which traces the hooks (and the mask check is skipped there too)."""
+    if not torch.compiler.is_compiling():
+        _PAGED_FORWARD.model = model
 
 
 def paged_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -50,9 +57,10 @@ def paged_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     through it (the check is skipped while compiling).
     """
     mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"](*args, **kwargs)
-    model = PAGED_FORWARD.get()
-    if model is not None and isinstance(mask, torch.Tensor) and not torch.compiler.is_compiling() \
-            and mask.dim() == 4 and mask.shape[-2] > 1 and sees_later_tokens(mask, kwargs):
+    if torch.compiler.is_compiling() or not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2] < 2:
+        return mask
+    model = getattr(_PAGED_FORWARD, "model", None)
+    if model is not None and sees_later_tokens(mask, kwargs):
         raise NonCausalMaskError(
             f"{model}'s attention mask for this input lets tokens see later tokens (bidirectional attention, e.g. "
             "over image tokens marked by token_type_ids / mm_token_type_ids), which flashpage's causal paged "

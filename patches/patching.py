@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from flashpage.errors import check_positive_ints
 from flashpage.patches import checks
-from flashpage.patches.attention import ATTN_NAME, PAGED_FORWARD, register
+from flashpage.patches.attention import ATTN_NAME, register, set_paged_forward
 from flashpage.patches.compat import NEWEST_TESTED, cache_kwarg, installed_version, require_supported_transformers
 from flashpage.patches.deepseek import NOTE as MLA_NOTE
 from flashpage.patches.deepseek import is_mla
@@ -56,6 +56,14 @@ class PatchState:
     report: checks.ProbeReport | None = None  # what the probe forward saw (checks.py)
     restore: list[tuple[Any, str, Any]] = field(default_factory=list)  # (object, attribute, value) for unpatch
     chunks: dict[int, int] = field(default_factory=dict)  # {layer: chunk size} of chunked-attention layers
+    causal: bool | None = None  # some attention module is causal (a mask letting tokens see later ones is wrong)
+
+
+def _has_causal_attention(model: torch.nn.Module) -> bool:
+    """Whether some attention module of ``model`` is causal (``is_causal`` not False; True where none says): the
+    paged attention of a non-causal one (a BERT-like model without ``is_decoder``) attends to every key anyway."""
+    flags = [vars(m)["is_causal"] for m in model.modules() if "is_causal" in vars(m)]
+    return not flags or any(flag is not False for flag in flags)
 
 
 class UnsupportedModelError(TypeError):
@@ -345,7 +353,7 @@ def _pre_hook(state: PatchState):
             # the outer model already planned this forward and handed its cache down. (A state left by an
             # interrupted forward, whose post-hook torch skips on KeyboardInterrupt, never has this cache.)
             return
-        PAGED_FORWARD.set(None)
+        set_paged_forward(None)
         state.planner = module
         if not isinstance(cache, HFPagedCache):
             state.active_cache = None
@@ -360,7 +368,10 @@ def _pre_hook(state: PatchState):
         if state.family.path == "adapter":  # their models build ALiBi / masks from the 2D mask as given
             return None
         if state.family.path == "interface" and not cache.dense_view:  # attention on the pages: the mask unread
-            PAGED_FORWARD.set(type(module).__name__)
+            if state.causal is None:
+                state.causal = _has_causal_attention(state.root if state.root is not None else module)
+            if state.causal:
+                set_paged_forward(type(module).__name__)
         return _fixed_width_mask(cache, args, kwargs)
 
     return hook
@@ -383,7 +394,7 @@ def _post_hook(state: PatchState):
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if module is not state.planner:
             return
-        PAGED_FORWARD.set(None)
+        set_paged_forward(None)
         cache, state.active_cache, state.planner = state.active_cache, None, None
         if cache is not None:
             cache.end_forward(ok=output is not None)

@@ -110,7 +110,7 @@ def test_a_loop_that_differs_is_refused_and_its_kv_rewritten(monkeypatch):
         decoder.layers[0] = flat.FlatLayer(**{**vars(layer), "k": lambda x: k(x) * 1.01})
         return decoder
 
-    monkeypatch.setattr("flashpage.engine.llm.flat_decoder", skewed)
+    monkeypatch.setattr("flashpage.engine.runner.flat_decoder", skewed)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         llm, outs = _run(model, prompts, monkeypatch)

@@ -3,11 +3,12 @@
 Each :meth:`LLM.step` is one packed forward ``model(input_ids[1, T], position_ids[1, T],
 cache=..., logits_to_keep=...)`` of every scheduled sequence's new tokens (decodes and prefill
 chunks together), planned once; logits are computed only for sequences that emit a token.
+``LLM`` keeps the requests, the scheduler and the sampler; the forward is its ``runner``'s
+(:class:`flashpage.engine.runner.ModelRunner`: the patched model, the cache over the pool, the step kinds).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import os
@@ -23,37 +24,29 @@ import torch
 from flashpage.cache import KVGroup, PagedKVCache, default_block_size
 from flashpage.cpu_memory import tune_malloc
 from flashpage.engine import prompt_logprobs
-from flashpage.engine.compiled import CompiledDecode, CompiledStep, default_compile
+from flashpage.engine.compiled import CompiledDecode, CompiledStep
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
-from flashpage.engine.fastpath import fastpath_scope, install_fastpath
-from flashpage.engine.flat import FlatDecoder, flat_decoder
+from flashpage.engine.flat import FlatDecoder
 from flashpage.engine.generation_config import ModelProcessors, config_diff, sampling_defaults, unapplied_fields
 from flashpage.engine.generation_config import check_mode as check_generation_mode
 from flashpage.engine.limits import context_overflow
-from flashpage.engine.linears import Prepacked, check_prepack_mode, install_onednn_linears, onednn_scope
+from flashpage.engine.linears import Prepacked, check_prepack_mode
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
-from flashpage.engine.positions import EnginePositions, honours_logits_to_keep, kept_rows
+from flashpage.engine.positions import EnginePositions
+from flashpage.engine.runner import ModelRunner, RunnerConfig, new_probe_cache
 from flashpage.engine.sampler import Sampler
 from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
 from flashpage.engine.sequence import Group, Seq
 from flashpage.engine.sizing import KVSizing, plan_kv_pool, pool_warning
-from flashpage.engine.states import (
-    StateSlots,
-    continues_chunks,
-    recurrent_states_of,
-    restart_from_scratch,
-    stateful_forward,
-)
+from flashpage.engine.states import StateSlots, recurrent_states_of, restart_from_scratch
 from flashpage.engine.structured import GrammarEngine, StructuredOutputsParams
 from flashpage.engine.weights import WeightWatcher, forget_kv
 from flashpage.errors import check_positive_ints
 from flashpage.patches import HFPagedCache, is_patched, patch, unpatch
-from flashpage.patches.checks import _probe_tokens, engine_refusal_reason
-from flashpage.patches.compat import cache_kwarg, require_supported_transformers
-from flashpage.patches.hf_cache import module_states
-from flashpage.patches.linear_cache import engine_cache_class
-from flashpage.patches.patching import UnsupportedModelError, attention_switched, patch_state
+from flashpage.patches.checks import engine_refusal_reason
+from flashpage.patches.compat import require_supported_transformers
+from flashpage.patches.patching import UnsupportedModelError, patch_state
 
 Prompt = str | Sequence[int]
 
@@ -157,64 +150,78 @@ class LLM:
         was_patched = is_patched(self.model)
         patch(self.model)
         try:
-            state = patch_state(self.model)
-            family = state.family
-            reason = engine_refusal_reason(self.model, state.report)
-            if reason is not None:
-                raise UnsupportedModelError(f"flashpage.LLM cannot run {type(model).__name__} (model_type="
-                                            f"{self.model.config.model_type!r}) exactly: {reason}. Use "
-                                            "flashpage.patch(model) with model.generate() instead.")
-            if not family.on_pages and not family.set_attention:  # its attention never reaches flashpage's
-                raise UnsupportedModelError(
-                    f"flashpage.LLM cannot run {type(model).__name__} (model_type={self.model.config.model_type!r}) "
-                    f"exactly: its attention does not run on the pages ({family.note}). Use flashpage.patch(model) "
-                    "with model.generate() instead.")
-            self.device = next(self.model.parameters()).device
-            if self.device.type == "cpu":  # a step's temporaries stay in the heap between steps (cpu_memory.py)
-                tune_malloc()
-            config = self.model.config.get_text_config(decoder=True)
-            self.vocab_size = int(config.vocab_size)
-            self._states: StateSlots | None = recurrent_states_of(self.model, self._new_cache())
-            enable_prefix_caching = enable_prefix_caching and self._states is None
-            positions = getattr(config, "max_position_embeddings", None)
-            _check_max_model_len(max_model_len, positions)
-            known_len = max_model_len or positions
-            self.max_model_len = known_len or 1 << 30
-            sizing = plan_kv_pool(self.model, self.device, block_size or default_block_size(self.device),
-                                  num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-                                  gpu_memory_utilization=gpu_memory_utilization, max_model_len=known_len,
-                                  max_num_seqs=max_num_seqs)
-            tp = tp_info(self.model)
-            self._tp = TPSync(tp) if tp is not None else None
-            if self._tp is not None:  # every rank the same pool: the same admissions and preemptions
-                sizing = dataclasses.replace(sizing, num_blocks=self._tp.agree_min(sizing.num_blocks))
-            too_small = pool_warning(sizing.num_blocks, sizing.block_size, known_len)
-            if too_small:
-                warnings.warn(too_small, stacklevel=2)
-            self.sizing: KVSizing = sizing
-            stores = sizing.num_groups > 0  # a pure state-space model stores no K/V: blocks without pages
-            self.kv = PagedKVCache(sizing.num_layers, sizing.num_kv_heads or None, sizing.head_dim or None,
-                                   v_head_dim=sizing.v_head_dim or None, num_blocks=sizing.num_blocks,
-                                   block_size=sizing.block_size, dtype=sizing.dtype,
-                                   device=sizing.layer_devices if stores else None,
-                                   enable_prefix_caching=enable_prefix_caching,
-                                   layer_geometry=sizing.layer_geometry, shared_layers=sizing.shared_layers)
+            state, config, states = self._check_engine_model()
+            self._build_pool(config, block_size=block_size, num_blocks=num_blocks,
+                             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+                             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                             enable_prefix_caching=enable_prefix_caching and states is None)
         except BaseException:  # leave the model as it was given
             if not was_patched:
                 unpatch(self.model)
             raise
-        self._cache = engine_cache_class(self.model).wrap(self.kv, config)
-        self._cache.module_states = module_states(self.model)  # RecurrentGemma: swapped per forward
-        self._cache_kwarg = cache_kwarg(self.model)
-        # recurrent layers that restart from zero on a multi-token input (Mamba-1 mixers): continuing chunks
-        # of a prompt run one token at a time
-        self._token_by_token = self._states is not None and not continues_chunks(self._states_after, _probe_tokens(
-            config, 8))
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_prefill_with_decodes)
         self.sampler = Sampler(_eos_ids(self.model, tokenizer),
                                sync=self._tp.same_tokens if self._tp is not None else None)
         self._default_params = self._generation_defaults(generation_config)
         self.max_num_batched_tokens = max_num_batched_tokens
+        self._init_bookkeeping(check_invariants)
+        self.runner = self._build_runner(config, states, RunnerConfig(
+            max_num_seqs, max_num_batched_tokens, compile, cpu_prepack, tensor_parallel=self._tp is not None,
+            dense_view=state.family.path == "dense-view", chunked_attention=bool(state.chunks)))
+
+    def _check_engine_model(self) -> tuple[Any, Any, StateSlots | None]:
+        """Refuse a patched model the engine cannot run exactly; set the device and vocabulary. Returns the
+        patch state, the text config and the recurrent state slots (None: no recurrent layers)."""
+        state = patch_state(self.model)
+        family = state.family
+        reason = engine_refusal_reason(self.model, state.report)
+        if reason is not None:
+            raise UnsupportedModelError(f"flashpage.LLM cannot run {type(self.model).__name__} (model_type="
+                                        f"{self.model.config.model_type!r}) exactly: {reason}. Use "
+                                        "flashpage.patch(model) with model.generate() instead.")
+        if not family.on_pages and not family.set_attention:  # its attention never reaches flashpage's
+            raise UnsupportedModelError(
+                f"flashpage.LLM cannot run {type(self.model).__name__} (model_type="
+                f"{self.model.config.model_type!r}) exactly: its attention does not run on the pages ({family.note}). "
+                "Use flashpage.patch(model) with model.generate() instead.")
+        self.device = next(self.model.parameters()).device
+        if self.device.type == "cpu":  # a step's temporaries stay in the heap between steps (cpu_memory.py)
+            tune_malloc()
+        config = self.model.config.get_text_config(decoder=True)
+        self.vocab_size = int(config.vocab_size)
+        return state, config, recurrent_states_of(self.model, new_probe_cache(self.model))
+
+    def _build_pool(self, config: Any, *, block_size: int | None,
+                    num_blocks: int | None, kv_cache_memory: int | None, gpu_memory_utilization: float,
+                    max_model_len: int | None, max_num_seqs: int, enable_prefix_caching: bool) -> None:
+        """Size the KV pool (the same on every tensor-parallel rank) and make it: ``self.kv``, ``self.sizing``,
+        ``self.max_model_len`` and ``self._tp``. A pool smaller than one max_model_len sequence warns."""
+        positions = getattr(config, "max_position_embeddings", None)
+        _check_max_model_len(max_model_len, positions)
+        known_len = max_model_len or positions
+        self.max_model_len = known_len or 1 << 30
+        sizing = plan_kv_pool(self.model, self.device, block_size or default_block_size(self.device),
+                              num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
+                              gpu_memory_utilization=gpu_memory_utilization, max_model_len=known_len,
+                              max_num_seqs=max_num_seqs)
+        tp = tp_info(self.model)
+        self._tp = TPSync(tp) if tp is not None else None
+        if self._tp is not None:  # every rank the same pool: the same admissions and preemptions
+            sizing = dataclasses.replace(sizing, num_blocks=self._tp.agree_min(sizing.num_blocks))
+        too_small = pool_warning(sizing.num_blocks, sizing.block_size, known_len)
+        if too_small:
+            warnings.warn(too_small, stacklevel=3)
+        self.sizing: KVSizing = sizing
+        stores = sizing.num_groups > 0  # a pure state-space model stores no K/V: blocks without pages
+        self.kv = PagedKVCache(sizing.num_layers, sizing.num_kv_heads or None, sizing.head_dim or None,
+                               v_head_dim=sizing.v_head_dim or None, num_blocks=sizing.num_blocks,
+                               block_size=sizing.block_size, dtype=sizing.dtype,
+                               device=sizing.layer_devices if stores else None,
+                               enable_prefix_caching=enable_prefix_caching,
+                               layer_geometry=sizing.layer_geometry, shared_layers=sizing.shared_layers)
+
+    def _init_bookkeeping(self, check_invariants: bool) -> None:
+        """The request-side state: groups, ids, locks, counters."""
         self._grammar: GrammarEngine | None = None  # made by the first structured-outputs request
         self._grammar_lock = threading.Lock()
         self._groups: dict[str, Group] = {}
@@ -223,48 +230,87 @@ class LLM:
         self._lock = threading.Lock()
         # held by each step and by abort()/add_request(): either may come from another thread than step()'s
         self._step_lock = threading.RLock()
-        self._counters = {"steps": 0, "computed": 0, "generated": 0, "busy": 0.0, "flat": 0}
+        self._counters = {"steps": 0, "computed": 0, "generated": 0, "busy": 0.0}
         self.step_request_ids: tuple[str, ...] = ()  # requests of the latest step (set even when it raises)
         self.check_invariants = check_invariants
-        use_compile = default_compile(self.device) and self._tp is None if compile is None else bool(compile)
-        if self._states is not None:  # the compiled step is the packed [1, T] layout
-            if compile:
-                warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} has recurrent (linear-"
-                              "attention / SSM) layers, whose steps run eagerly in [B, L] rows", stacklevel=2)
-            use_compile = False
-        if family.path == "dense-view":  # K/V transformed after the cache (MLA...): attention on what the model hands
-            if compile:  # it, whose width is the step's keys: no static shapes to compile
-                warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} transforms its K/V after the "
-                              "cache (dense view); its steps run eagerly", stacklevel=2)
-            use_compile = False
-        if state.chunks:  # chunked attention (Llama 4): the model's own code specialises on the step's length
-            if compile:
-                warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} has chunked-attention "
-                              "layers; its steps run eagerly", stacklevel=2)
-            use_compile = False
-        self._positions = EnginePositions.install(self.model)  # BART family: positions from the cache length
-        self._keeps_logits = honours_logits_to_keep(self.model)  # whisper: logits of every row
-        if self._positions is not None or not self._keeps_logits:
-            if compile:
-                warnings.warn(f"flashpage.LLM(compile=True): {type(self.model).__name__} takes positions or logits "
-                              "rows in its own way; its steps run eagerly", stacklevel=2)
-            use_compile = False
-        # CPU float32: linears through oneDNN inside the engine's eager forwards (engine/linears.py)
-        self._onednn = self.device.type == "cpu" and install_onednn_linears(self.model) > 0
-        # ... with their weights packed (and siblings fused) once, as vLLM's CPU backend does (engine/linears.py)
-        self._prepack = Prepacked(self.model, cpu_prepack) if self._onednn else None
-        # fused norms / rotary / gated-MLP activations inside the engine's eager forwards (engine/fastpath.py)
-        self.fastpath = install_fastpath(self.model)
-        # a plain Llama-family decoder's eager step as one flat loop, once a step proves it equal (engine/flat.py)
-        self._flat: FlatDecoder | None = None
-        self.flat_step = self._build_flat()
-        # CPU: every step kind through one compiled packed forward; CUDA: decode steps as CUDA graphs
-        self._compiled_step = CompiledStep(self.model, self._cache, self._cache_kwarg, max_num_batched_tokens,
-                                           self.device, onednn=self._onednn, prepack=self._prepack) \
-            if use_compile and self.device.type == "cpu" else None
-        self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, max_num_seqs, self.device) \
-            if use_compile and self._compiled_step is None else None
-        self._weights = WeightWatcher(self.model)  # KV of older weights is dropped, never reused (weights.py)
+
+    def _build_runner(self, config: Any, states: StateSlots | None, options: RunnerConfig) -> ModelRunner:
+        """The model runner (engine/runner.py): the step's forward, over this LLM's pool. Its compile=True
+        warnings point at the code that called LLM(...)."""
+        return ModelRunner(self.model, self.kv, config, states, options, self._rollback)
+
+    def _rollback(self, schedule: Schedule) -> None:
+        """Undo a schedule whose forward failed (the runner calls it)."""
+        self.scheduler.rollback(schedule)
+
+    # ------------------------------------------- the runner's parts (read by tests, bench and integrations)
+    @property
+    def _cache(self) -> HFPagedCache:
+        return self.runner._cache
+
+    @property
+    def _cache_kwarg(self) -> str:
+        return self.runner._cache_kwarg
+
+    @property
+    def _states(self) -> StateSlots | None:
+        return self.runner.states
+
+    @property
+    def _token_by_token(self) -> bool:
+        return self.runner._token_by_token
+
+    @property
+    def _flat(self) -> FlatDecoder | None:
+        return self.runner._flat
+
+    @_flat.setter
+    def _flat(self, flat: FlatDecoder | None) -> None:
+        self.runner._flat = flat
+
+    @property
+    def flat_step(self) -> str:
+        """Whether eager steps run as the flat loop (engine/flat.py), or why not."""
+        return self.runner.flat_step
+
+    @property
+    def fastpath(self) -> Any:
+        """The fused ops installed in the model (engine/fastpath.py)."""
+        return self.runner.fastpath
+
+    @property
+    def _compiled(self) -> CompiledDecode | None:
+        return self.runner._compiled
+
+    @property
+    def _compiled_step(self) -> CompiledStep | None:
+        return self.runner._compiled_step
+
+    @property
+    def _prepack(self) -> Prepacked | None:
+        return self.runner._prepack
+
+    @property
+    def _onednn(self) -> bool:
+        return self.runner._onednn
+
+    @property
+    def _weights(self) -> WeightWatcher:
+        return self.runner._weights
+
+    @property
+    def _positions(self) -> EnginePositions | None:
+        return self.runner._positions
+
+    @property
+    def _keeps_logits(self) -> bool:
+        return self.runner._keeps_logits
+
+    def _states_after(self, parts: list[list[int]]) -> dict:
+        return self.runner.states_after(parts)
+
+    def _ensure_patched(self) -> None:
+        self.runner.ensure_patched()
 
     def _generation_defaults(self, mode: str) -> dict[str, Any]:
         """Read the model's generation_config (``mode`` "auto"): sampling defaults returned, processors
@@ -339,7 +385,7 @@ class LLM:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), s.num_blocks, s.in_use,
                            s.free, s.cached, s.block_size, s.hit_rate, self.scheduler.num_preemptions,
                            c["steps"], c["computed"], c["generated"], c["busy"],
-                           sum(x.steps for x in (self._compiled, self._compiled_step) if x is not None),
+                           self.runner.compiled_steps,
                            self._tp.info.rank if self._tp is not None else 0,
                            self._tp.info.size if self._tp is not None else 1,
                            self.sizing.num_kv_heads, self.sizing.total_bytes, tuple(self.kv.groups()),
@@ -347,7 +393,7 @@ class LLM:
                            kv_bytes_per_token=self.sizing.bytes_per_token,
                            state_bytes_per_seq=self._states.bytes_per_sequence() if self._states is not None else 0,
                            state_bytes=self._states.allocated_bytes() if self._states is not None else 0,
-                           flat_steps=c["flat"])
+                           flat_steps=self.runner.flat_steps)
 
     # -------------------------------------------------------- batch helpers
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -386,23 +432,19 @@ class LLM:
         sees the weights change (see :mod:`flashpage.engine.weights`); call it after changes it cannot
         see (writes through ``param.data`` in place). Returns True."""
         forget_kv(self.scheduler, self.kv)
-        if self._prepack is not None:
-            self._prepack.refresh(everything=True)
-        self.flat_step = self._build_flat()
+        self.runner.refresh_weights(everything=True)
         return True
 
     @property
     def weights_version(self) -> int:
         """How many weight changes the engine has seen (each one dropped the KV computed before it)."""
-        return self._weights.version
+        return self.runner.weights_version
 
     def _check_weights(self, full: bool = True) -> None:
         """Once per generate()/stream()/step() call: KV computed with older weights is never reused."""
-        if self._weights.changed(full=full):
+        if self.runner.weights_changed(full=full):
             forget_kv(self.scheduler, self.kv)
-            if self._prepack is not None:  # packed copies of the old weights: repack what changed
-                self._prepack.refresh(everything=not self._weights.per_tensor)
-            self.flat_step = self._build_flat()  # its modules may have been replaced: verified again
+            self.runner.refresh_weights()  # repack what changed; the flat step is verified again
 
     # ---------------------------------------------------------------- inner
     def _exclusive(self, what: str):
@@ -560,7 +602,7 @@ class LLM:
         start = time.perf_counter()
         emitting = [c for c in schedule.chunks if c.emits]
         prompt_rows = prompt_logprobs.plan_rows(schedule.chunks)
-        logits = self._forward(schedule, emitting, prompt_rows.flat)
+        logits = self.runner.run(schedule, prompt_rows.flat)
         try:
             if prompt_rows:  # kept after the emitting chunks' rows
                 prompt_logprobs.record(prompt_rows, logits[len(emitting):])
@@ -601,134 +643,6 @@ class LLM:
         except BaseException:
             self.scheduler.rollback(schedule)
             raise
-
-    def _forward(self, schedule: Schedule, emitting: list[Chunk], extra_rows: Sequence[int] = ()) -> torch.Tensor:
-        """Logits (len(emitting) + len(extra_rows), V): each emitting chunk's last row, then the packed
-        rows ``extra_rows`` (prompt logprobs)."""
-        chunks = schedule.chunks
-        ids: list[int] = []
-        pos: list[int] = []
-        for c in chunks:
-            ids.extend(c.token_ids)
-            pos.extend(range(c.start, c.start + c.num_tokens))
-        ends = list(itertools.accumulate(c.num_tokens for c in chunks))
-        keep = [e - 1 for c, e in zip(chunks, ends, strict=True) if c.emits] + list(extra_rows)
-        if self._states is not None:
-            return self._stateful_forward(schedule, keep)
-        compiled = self._compiled if not extra_rows else None
-        try:
-            self._ensure_patched()
-            seq_ids = [c.seq.seq_id for c in chunks]
-            if self._compiled_step is not None and self._compiled_step.eligible(len(ids)):
-                plan = self.kv.plan(seq_ids, [c.num_tokens for c in chunks], allocated=True)
-                with torch.inference_mode():
-                    logits = self._compiled_step.forward(plan, ids, pos, keep)
-            elif compiled is not None and compiled.eligible([c.num_tokens for c in chunks],
-                                                            [c.emits for c in chunks]):
-                with torch.inference_mode():
-                    logits = compiled.forward(compiled.plan(self.kv, seq_ids), ids, pos)
-            else:
-                plan = self.kv.plan(seq_ids, [c.num_tokens for c in chunks], allocated=True)
-                self._cache.set_plan(plan, self.device)
-                position_ids = torch.tensor([pos], device=self.device)
-                keep_rows = torch.tensor(keep, dtype=torch.long, device=self.device)
-                with torch.inference_mode(), self._positions_for(position_ids), \
-                        onednn_scope(self._onednn, self._prepack), fastpath_scope(self.fastpath.any):
-                    logits = self._eager_logits(torch.tensor([ids], device=self.device), position_ids, keep_rows)
-        except BaseException:
-            self._cache.end_forward(ok=False)
-            self.scheduler.rollback(schedule)  # give back this step's slots: the cache is as before
-            raise
-        for c in chunks:
-            c.seq.num_computed = c.start + c.num_tokens
-        return logits
-
-    def _eager_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                      keep_rows: torch.Tensor) -> torch.Tensor:
-        """An eager step's kept logits rows (K, V) from input_ids / position_ids (1, T): through the flat loop
-        once verified, else the model's forward (which verifies the loop on the first step that can)."""
-
-        def module_forward() -> torch.Tensor:
-            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
-                                logits_to_keep=keep_rows, **{self._cache_kwarg: self._cache}).logits[0]
-            return kept_rows(logits, keep_rows, self._keeps_logits)
-
-        flat = self._flat
-        if flat is None or flat.failed is not None:
-            return module_forward()
-        if flat.usable():
-            logits = flat.forward(self._cache, input_ids, position_ids, keep_rows)
-            self._cache.end_forward(ok=True)
-            self._counters["flat"] += 1
-            return logits
-        if flat.verified or (self._prepack is not None and self._prepack.state == "probe"):
-            return module_forward()  # a hook was added since; or the step that finds the linears to pack
-        logits = flat.verify(self._cache, module_forward, input_ids, position_ids, keep_rows)
-        if flat.failed is not None:
-            self.flat_step = f"off: {flat.failed}"
-            warnings.warn(f"flashpage.LLM: the flat eager step of {type(self.model).__name__} is off "
-                          f"({flat.failed}); steps run the model's forward", stacklevel=4)
-        else:
-            self.flat_step = "on: verified equal to the model's forward"
-        return logits
-
-    def _build_flat(self) -> str:
-        """(Re)build the flat eager step (after a weight change: modules may have been replaced; the same
-        modules keep their verified loop); says why there is none."""
-        old, self._flat = self._flat, None
-        if self._states is not None or self._positions is not None or not self._keeps_logits or self._tp is not None:
-            return "off: recurrent layers, own positions / logits rows, or tensor parallel"
-        flat = flat_decoder(self.model)
-        if isinstance(flat, str):
-            return f"off: {flat}"
-        if old is not None and old.modules == flat.modules and (old.verified or old.failed is not None):
-            self._flat = old
-            return self.flat_step
-        self._flat = flat
-        return "on once a step verifies it"
-
-    def _positions_for(self, position_ids: torch.Tensor):
-        """Give decoders that derive positions from the cache's length (BART family) the step's own."""
-        return self._positions.step(position_ids) if self._positions is not None else contextlib.nullcontext()
-
-    def _new_cache(self) -> HFPagedCache:
-        """A fresh generate()-style cache for probes (recurrent state in the model's modules included)."""
-        cache = engine_cache_class(self.model)(self.model.config)
-        cache.module_states = module_states(self.model)
-        return cache
-
-    def _states_after(self, parts: list[list[int]]) -> dict:
-        """The recurrent states after feeding ``parts`` one forward after another to a fresh cache."""
-        cache = self._new_cache()
-        with torch.inference_mode():
-            for part in parts:
-                self.model(input_ids=torch.tensor([part], device=self.device), use_cache=True,
-                           **{self._cache_kwarg: cache})
-        return cache.read_states()[0]
-
-    def _stateful_forward(self, schedule: Schedule, keep: list[int]) -> torch.Tensor:
-        """A model with recurrent layers: decodes as [B, 1] rows, other chunks alone (engine/states.py)."""
-        assert self._states is not None
-        try:
-            self._ensure_patched()
-            with torch.inference_mode():
-                logits = stateful_forward(self.model, self.kv, self._cache, self._cache_kwarg, self.device,
-                                          self._states, schedule.chunks, keep, self._token_by_token)
-        except BaseException:
-            self._cache.end_forward(ok=False)
-            self.scheduler.rollback(schedule)
-            # some forwards of the step may have advanced states: those sequences start over
-            restart_from_scratch([c.seq for c in schedule.chunks], self.kv, self._states)
-            raise
-        for c in schedule.chunks:
-            c.seq.num_computed = c.start + c.num_tokens
-        return logits
-
-    def _ensure_patched(self) -> None:
-        """Re-patch if someone unpatched the model (or switched its attention) since the last step."""
-        if not is_patched(self.model) or attention_switched(self.model):
-            unpatch(self.model)
-            patch(self.model)
 
     def _postprocess(self, emitting: list[Chunk], logits: torch.Tensor) -> list[Group]:
         seqs: list[Seq] = []

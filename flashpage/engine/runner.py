@@ -1,0 +1,315 @@
+"""The model-facing half of :class:`flashpage.LLM`: one packed forward per engine step.
+
+:class:`ModelRunner` owns what touches the model: the patched model, the ``HFPagedCache`` wrapper over the
+paged KV pool (``_cache``), the cache keyword, the recurrent state slots, and the step kinds (the flat eager
+loop of ``engine/flat.py``, the compiled step / decode of ``engine/compiled.py``, the model's eager forward,
+and the stateful ``[B, L]`` rows of ``engine/states.py``), plus the weights watcher. ``LLM`` keeps the
+request API, the groups, the scheduler and the sampler; speculative decoding or multimodal inputs would
+plug in here (as nano-vllm's ``ModelRunner`` and vLLM V1's ``GPUModelRunner``).
+
+Data flow of one step::
+
+    Scheduler.schedule() -> Schedule (chunks: each sequence's new tokens, their slots already allocated)
+      -> ModelRunner.run(schedule, extra_rows) -> logits (rows, vocab): each emitting chunk's last row,
+         then the packed rows ``extra_rows`` (prompt logprobs); every chunk's ``seq.num_computed`` advanced
+      -> Sampler(logits, seqs) -> one token per emitting sequence (LLM._postprocess)
+
+On a failed forward the runner ends the cache's forward, calls ``rollback(schedule)`` (the scheduler's:
+the step's slots are given back) and re-raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flashpage.cache import PagedKVCache
+from flashpage.engine.compiled import CompiledDecode, CompiledStep, default_compile
+from flashpage.engine.fastpath import fastpath_scope, install_fastpath
+from flashpage.engine.flat import FlatDecoder, flat_decoder
+from flashpage.engine.linears import Prepacked, install_onednn_linears, onednn_scope
+from flashpage.engine.positions import EnginePositions, honours_logits_to_keep, kept_rows
+from flashpage.engine.scheduler import Schedule
+from flashpage.engine.states import StateSlots, continues_chunks, restart_from_scratch, stateful_forward
+from flashpage.engine.weights import WeightWatcher
+from flashpage.patches import HFPagedCache, is_patched, patch, unpatch
+from flashpage.patches.checks import _probe_tokens
+from flashpage.patches.compat import cache_kwarg
+from flashpage.patches.hf_cache import module_states
+from flashpage.patches.linear_cache import engine_cache_class
+from flashpage.patches.patching import attention_switched
+
+# frames from choose_compile() up to the code that called LLM(...): its warnings point there
+_LLM_CALLER = 5
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What the runner needs to know beyond the model and the pool (all from LLM's arguments)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    compile: bool | None  # LLM(compile=...): None picks default_compile()
+    cpu_prepack: bool | str  # LLM(cpu_prepack=...), already checked
+    tensor_parallel: bool = False
+    dense_view: bool = False  # K/V transformed after the cache (MLA...): no static shapes
+    chunked_attention: bool = False  # Llama 4: the model's code specialises on the step's length
+
+
+def new_probe_cache(model: Any) -> HFPagedCache:
+    """A fresh generate()-style cache for probes (recurrent state in the model's modules included)."""
+    cache = engine_cache_class(model)(model.config)
+    cache.module_states = module_states(model)
+    return cache
+
+
+def step_inputs(schedule: Schedule, extra_rows: Sequence[int] = ()) -> tuple[list[int], list[int], list[int]]:
+    """The packed step's token ids (T), positions (T) and the kept rows (each emitting chunk's last row,
+    then ``extra_rows``)."""
+    ids: list[int] = []
+    pos: list[int] = []
+    for c in schedule.chunks:
+        ids.extend(c.token_ids)
+        pos.extend(range(c.start, c.start + c.num_tokens))
+    ends = list(itertools.accumulate(c.num_tokens for c in schedule.chunks))
+    keep = [e - 1 for c, e in zip(schedule.chunks, ends, strict=True) if c.emits] + list(extra_rows)
+    return ids, pos, keep
+
+
+class ModelRunner:
+    """Runs the engine's packed forward on a patched model over a paged KV pool.
+
+    Args:
+        model: the patched (``flashpage.patch``) causal LM, in eval mode.
+        kv: the paged KV pool the scheduler allocates from.
+        config: the model's text config (``config.get_text_config(decoder=True)``).
+        states: recurrent state slots (hybrid / state-space models), else None.
+        options: see :class:`RunnerConfig`.
+        rollback: undoes a schedule whose forward failed (``Scheduler.rollback``).
+    """
+
+    def __init__(self, model: Any, kv: PagedKVCache, config: Any, states: StateSlots | None,
+                 options: RunnerConfig, rollback: Callable[[Schedule], None]) -> None:
+        self.model = model
+        self.kv = kv
+        self.device: torch.device = next(model.parameters()).device
+        self.states = states
+        self._rollback = rollback
+        self.flat_steps = 0  # eager steps that ran as the flat loop
+        self._cache = engine_cache_class(model).wrap(kv, config)
+        self._cache.module_states = module_states(model)  # RecurrentGemma: swapped per forward
+        self._cache_kwarg = cache_kwarg(model)
+        # recurrent layers that restart from zero on a multi-token input (Mamba-1 mixers): continuing chunks
+        # of a prompt run one token at a time
+        self._token_by_token = states is not None and not continues_chunks(self.states_after,
+                                                                           _probe_tokens(config, 8))
+        use_compile = self._choose_compile(options)
+        self._install_eager(options.cpu_prepack, options.tensor_parallel)
+        self._build_compiled(use_compile, options)
+        self._weights = WeightWatcher(model)  # KV of older weights is dropped, never reused (weights.py)
+
+    # ------------------------------------------------------------- set-up
+    def _choose_compile(self, options: RunnerConfig) -> bool:
+        """Whether steps go through the compiled forward; installs the model's own positions / logits rows
+        handling (which rules it out) on the way. A compile=True that cannot be honoured warns."""
+        asked = options.compile
+        name = type(self.model).__name__
+        use = default_compile(self.device) and not options.tensor_parallel if asked is None else bool(asked)
+        if self.states is not None:  # the compiled step is the packed [1, T] layout
+            if asked:
+                warnings.warn(f"flashpage.LLM(compile=True): {name} has recurrent (linear-attention / SSM) layers, "
+                              "whose steps run eagerly in [B, L] rows", stacklevel=_LLM_CALLER)
+            use = False
+        if options.dense_view:  # attention on what the model hands it, whose width is the step's keys
+            if asked:
+                warnings.warn(f"flashpage.LLM(compile=True): {name} transforms its K/V after the cache (dense view); "
+                              "its steps run eagerly", stacklevel=_LLM_CALLER)
+            use = False
+        if options.chunked_attention:
+            if asked:
+                warnings.warn(f"flashpage.LLM(compile=True): {name} has chunked-attention layers; its steps run "
+                              "eagerly", stacklevel=_LLM_CALLER)
+            use = False
+        self._positions = EnginePositions.install(self.model)  # BART family: positions from the cache length
+        self._keeps_logits = honours_logits_to_keep(self.model)  # whisper: logits of every row
+        if self._positions is not None or not self._keeps_logits:
+            if asked:
+                warnings.warn(f"flashpage.LLM(compile=True): {name} takes positions or logits rows in its own way; "
+                              "its steps run eagerly", stacklevel=_LLM_CALLER)
+            use = False
+        return use
+
+    def _install_eager(self, cpu_prepack: bool | str, tensor_parallel: bool) -> None:
+        """The eager forward's helpers: oneDNN linears (CPU float32), fused ops, the flat loop."""
+        # CPU float32: linears through oneDNN inside the engine's eager forwards (engine/linears.py)
+        self._onednn = self.device.type == "cpu" and install_onednn_linears(self.model) > 0
+        # ... with their weights packed (and siblings fused) once, as vLLM's CPU backend does (engine/linears.py)
+        self._prepack = Prepacked(self.model, cpu_prepack) if self._onednn else None
+        # fused norms / rotary / gated-MLP activations inside the engine's eager forwards (engine/fastpath.py)
+        self.fastpath = install_fastpath(self.model)
+        # a plain Llama-family decoder's eager step as one flat loop, once a step proves it equal (engine/flat.py)
+        self._tensor_parallel = tensor_parallel
+        self._flat: FlatDecoder | None = None
+        self.flat_step = self._build_flat()
+
+    def _build_compiled(self, use_compile: bool, options: RunnerConfig) -> None:
+        """CPU: every step kind through one compiled packed forward; CUDA: decode steps as CUDA graphs."""
+        self._compiled_step = CompiledStep(self.model, self._cache, self._cache_kwarg, options.max_num_batched_tokens,
+                                           self.device, onednn=self._onednn, prepack=self._prepack) \
+            if use_compile and self.device.type == "cpu" else None
+        self._compiled = CompiledDecode(self.model, self._cache, self._cache_kwarg, options.max_num_seqs,
+                                        self.device) if use_compile and self._compiled_step is None else None
+
+    # ------------------------------------------------------------- public
+    @property
+    def compiled_steps(self) -> int:
+        """Steps that ran through a compiled forward."""
+        return sum(x.steps for x in (self._compiled, self._compiled_step) if x is not None)
+
+    @property
+    def weights_version(self) -> int:
+        """How many weight changes the runner has seen."""
+        return self._weights.version
+
+    def weights_changed(self, full: bool = True) -> bool:
+        """Whether the model's weights changed since the last check (the caller then drops the KV computed
+        with the old ones and calls :meth:`refresh_weights`)."""
+        return self._weights.changed(full=full)
+
+    def refresh_weights(self, everything: bool | None = None) -> None:
+        """After a weight change: repack the packed copies (all of them, or by default what the watcher saw
+        change) and rebuild the flat step (its modules may have been replaced: verified again)."""
+        if self._prepack is not None:
+            self._prepack.refresh(everything=not self._weights.per_tensor if everything is None else everything)
+        self.flat_step = self._build_flat()
+
+    def run(self, schedule: Schedule, extra_rows: Sequence[int] = ()) -> torch.Tensor:
+        """One step's forward. Logits (len(emitting) + len(extra_rows), vocab): each emitting chunk's last
+        row, then the packed rows ``extra_rows`` (prompt logprobs). Every chunk's ``seq.num_computed`` is
+        advanced; on failure the schedule is rolled back and the error re-raised."""
+        chunks = schedule.chunks
+        ids, pos, keep = step_inputs(schedule, extra_rows)
+        if self.states is not None:
+            return self._stateful_forward(schedule, keep)
+        compiled = self._compiled if not extra_rows else None
+        try:
+            self.ensure_patched()
+            seq_ids = [c.seq.seq_id for c in chunks]
+            if self._compiled_step is not None and self._compiled_step.eligible(len(ids)):
+                plan = self.kv.plan(seq_ids, [c.num_tokens for c in chunks], allocated=True)
+                with torch.inference_mode():
+                    logits = self._compiled_step.forward(plan, ids, pos, keep)
+            elif compiled is not None and compiled.eligible([c.num_tokens for c in chunks],
+                                                            [c.emits for c in chunks]):
+                with torch.inference_mode():
+                    logits = compiled.forward(compiled.plan(self.kv, seq_ids), ids, pos)
+            else:
+                plan = self.kv.plan(seq_ids, [c.num_tokens for c in chunks], allocated=True)
+                self._cache.set_plan(plan, self.device)
+                position_ids = torch.tensor([pos], device=self.device)
+                keep_rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+                with torch.inference_mode(), self._positions_for(position_ids), \
+                        onednn_scope(self._onednn, self._prepack), fastpath_scope(self.fastpath.any):
+                    logits = self._eager_logits(torch.tensor([ids], device=self.device), position_ids, keep_rows)
+        except BaseException:
+            self._cache.end_forward(ok=False)
+            self._rollback(schedule)  # give back this step's slots: the cache is as before
+            raise
+        for c in chunks:
+            c.seq.num_computed = c.start + c.num_tokens
+        return logits
+
+    def states_after(self, parts: list[list[int]]) -> dict:
+        """The recurrent states after feeding ``parts`` (token id lists) one forward after another to a fresh
+        cache."""
+        cache = self._new_cache()
+        with torch.inference_mode():
+            for part in parts:
+                self.model(input_ids=torch.tensor([part], device=self.device), use_cache=True,
+                           **{self._cache_kwarg: cache})
+        return cache.read_states()[0]
+
+    def ensure_patched(self) -> None:
+        """Re-patch if someone unpatched the model (or switched its attention) since the last step."""
+        if not is_patched(self.model) or attention_switched(self.model):
+            unpatch(self.model)
+            patch(self.model)
+
+    # ------------------------------------------------------------- inner
+    def _eager_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      keep_rows: torch.Tensor) -> torch.Tensor:
+        """An eager step's kept logits rows (K, V) from input_ids / position_ids (1, T): through the flat loop
+        once verified, else the model's forward (which verifies the loop on the first step that can)."""
+
+        def module_forward() -> torch.Tensor:
+            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                                logits_to_keep=keep_rows, **{self._cache_kwarg: self._cache}).logits[0]
+            return kept_rows(logits, keep_rows, self._keeps_logits)
+
+        flat = self._flat
+        if flat is None or flat.failed is not None:
+            return module_forward()
+        if flat.usable():
+            logits = flat.forward(self._cache, input_ids, position_ids, keep_rows)
+            self._cache.end_forward(ok=True)
+            self.flat_steps += 1
+            return logits
+        if flat.verified or (self._prepack is not None and self._prepack.state == "probe"):
+            return module_forward()  # a hook was added since; or the step that finds the linears to pack
+        logits = flat.verify(self._cache, module_forward, input_ids, position_ids, keep_rows)
+        if flat.failed is not None:
+            self.flat_step = f"off: {flat.failed}"
+            # frames: here, run(), LLM._step(), then LLM.step() / generate()'s loop
+            warnings.warn(f"flashpage.LLM: the flat eager step of {type(self.model).__name__} is off "
+                          f"({flat.failed}); steps run the model's forward", stacklevel=4)
+        else:
+            self.flat_step = "on: verified equal to the model's forward"
+        return logits
+
+    def _build_flat(self) -> str:
+        """(Re)build the flat eager step (after a weight change: modules may have been replaced; the same
+        modules keep their verified loop); says why there is none."""
+        old, self._flat = self._flat, None
+        if self.states is not None or self._positions is not None or not self._keeps_logits \
+                or self._tensor_parallel:
+            return "off: recurrent layers, own positions / logits rows, or tensor parallel"
+        flat = flat_decoder(self.model)
+        if isinstance(flat, str):
+            return f"off: {flat}"
+        if old is not None and old.modules == flat.modules and (old.verified or old.failed is not None):
+            self._flat = old
+            return self.flat_step
+        self._flat = flat
+        return "on once a step verifies it"
+
+    def _positions_for(self, position_ids: torch.Tensor):
+        """Give decoders that derive positions from the cache's length (BART family) the step's own."""
+        return self._positions.step(position_ids) if self._positions is not None else contextlib.nullcontext()
+
+    def _new_cache(self) -> HFPagedCache:
+        """A fresh generate()-style cache for probes (recurrent state in the model's modules included)."""
+        return new_probe_cache(self.model)
+
+    def _stateful_forward(self, schedule: Schedule, keep: list[int]) -> torch.Tensor:
+        """A model with recurrent layers: decodes as [B, 1] rows, other chunks alone (engine/states.py)."""
+        assert self.states is not None
+        try:
+            self.ensure_patched()
+            with torch.inference_mode():
+                logits = stateful_forward(self.model, self.kv, self._cache, self._cache_kwarg, self.device,
+                                          self.states, schedule.chunks, keep, self._token_by_token)
+        except BaseException:
+            self._cache.end_forward(ok=False)
+            self._rollback(schedule)
+            # some forwards of the step may have advanced states: those sequences start over
+            restart_from_scratch([c.seq for c in schedule.chunks], self.kv, self.states)
+            raise
+        for c in schedule.chunks:
+            c.seq.num_computed = c.start + c.num_tokens
+        return logits

@@ -1,4 +1,4 @@
-"""The ``flashpage`` command: info, generate, demo, serve and bench (kernels, generate, engine, serve)."""
+"""The ``flashpage`` command: info, generate, demo, serve and bench (kernels, generate, engine, serve, shapes)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,10 @@ def _bench(args: argparse.Namespace) -> int:
         from flashpage.bench.serve import run_cli
 
         return run_cli(args)
+    if args.bench == "shapes":
+        from flashpage.bench.shapes import run_cli as run_shapes
+
+        return run_shapes(args)
     if args.bench == "structured":
         from flashpage.bench.structured import run_cli as run_structured
 
@@ -182,6 +186,20 @@ def _add_model(p: argparse.ArgumentParser, default: str = "the built-in tiny mod
     p.add_argument("--model", default=None, help=f"model directory or hub id (default: {default})")
 
 
+def _add_model_shape(b: argparse.ArgumentParser) -> None:
+    """``--model-shape`` / ``--dtype`` / ``--num-layers``: a published config with random weights, saved once
+    (flashpage/bench/shapes.py; ``flashpage bench shapes`` lists them). Checked in flashpage/bench/runner.py."""
+    from flashpage.bench.shapes import DTYPES, SHAPES
+
+    g = b.add_argument_group("real-shape model (flashpage bench shapes)")
+    g.add_argument("--model-shape", default=None, choices=tuple(SHAPES), metavar="NAME",
+                   help=f"a published config with random weights instead of --model: {', '.join(SHAPES)}")
+    g.add_argument("--dtype", default=None, choices=tuple(DTYPES),
+                   help="with --model-shape: the dtype it is built, saved and run in (default bfloat16)")
+    g.add_argument("--num-layers", type=int, default=None, metavar="N",
+                   help="with --model-shape: layers to build (default: the entry's, `flashpage bench shapes`)")
+
+
 def _port(text: str) -> int:
     """A TCP port to listen on, checked before anything loads."""
     try:
@@ -257,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "warm-up (as vLLM compiles at startup); the warm-up time is reported")
         if name in ("generate", "engine", "tp"):
             _add_model(b, BENCH_MODEL)
+        if name == "engine":
+            _add_model_shape(b)
         if name == "rl":
             _add_model(b)  # the built-in tiny model: GRPO needs a tokenizer
         if name == "breakdown":
@@ -269,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="rank counts to run, each under its own torchrun on this machine (default 1,2); "
                                 "ignored when launched by torchrun (the launch decides)")
     _add_bench_serve(bsub)
+    b = bsub.add_parser("shapes", help="the real-shape model zoo (published configs, random weights) for --model-shape")
+    b.add_argument("--json", action="store_true", help="print JSON")
     b = bsub.add_parser("structured", help="structured outputs' cost per token in the engine (JSON schema vs none)")
     b.add_argument("--num-requests", type=int, default=64, help="requests at once (default 64)")
     b.add_argument("--max-tokens", type=int, default=64, help="output tokens per request at most (default 64)")

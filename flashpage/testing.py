@@ -7,6 +7,7 @@ two continuations are unrelated. Everything else must match exactly.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,8 +45,19 @@ def top2_gap(logits: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
+def tie_tol(dtype: torch.dtype, logits: torch.Tensor) -> float:
+    """The largest top-2 gap that counts as a tie when the model computed in ``dtype``: :data:`TIE_TOL` in
+    float32 / float64; in half precision two rounding steps of ``dtype`` at the row's largest |logit| (bfloat16
+    rounds a logit near 8 in steps of 0.0625, so its ties come out as gaps of 0 or a step or two, not 1e-5)."""
+    if torch.finfo(dtype).bits >= 32:
+        return TIE_TOL
+    top = float(logits.float().abs().max())
+    step = 2.0 ** math.floor(math.log2(top)) * torch.finfo(dtype).eps if top > 0 else torch.finfo(dtype).eps
+    return max(TIE_TOL, 2.0 * step)
+
+
 def compare_greedy(reference: Sequence[int], got: Sequence[int], reference_logits: Sequence[torch.Tensor] | None,
-                   tol: float = TIE_TOL) -> GreedyMatch:
+                   tol: float = TIE_TOL, dtype: torch.dtype | None = None) -> GreedyMatch:
     """Compare ``got`` with ``reference`` (new tokens only).
 
     Args:
@@ -53,6 +65,7 @@ def compare_greedy(reference: Sequence[int], got: Sequence[int], reference_logit
         got: the tokens under test.
         reference_logits: the reference's logits row (V,) that chose each reference token.
         tol: the largest top-2 gap that counts as a tie.
+        dtype: the dtype the models computed in; half precision widens ``tol`` to :func:`tie_tol`'s.
     """
     n = min(len(reference), len(got))
     for i in range(n):
@@ -60,7 +73,8 @@ def compare_greedy(reference: Sequence[int], got: Sequence[int], reference_logit
             if reference_logits is None or i >= len(reference_logits):
                 return GreedyMatch(False, False, i, float("nan"))
             gap = top2_gap(reference_logits[i])
-            return GreedyMatch(gap <= tol, False, i, gap)
+            limit = max(tol, tie_tol(dtype, reference_logits[i])) if dtype is not None else tol
+            return GreedyMatch(gap <= limit, False, i, gap)
     if len(reference) != len(got):
         # one stopped earlier without a token difference (e.g. EOS vs length): not identical
         return GreedyMatch(False, False, n, float("nan"))

@@ -372,8 +372,10 @@ def _pool_blocks(work: Workload, block_size: int = BLOCK_SIZE) -> int:
     return sum(math.ceil((len(p) + n) / block_size) for p, n in zip(work.prompts, work.max_tokens, strict=True)) + 8
 
 
-def _agreement(reference: list[list[int]], ref_logits: list[torch.Tensor], got: list[list[int]]) -> dict[str, Any]:
-    matches = [compare_greedy(r, g, list(lg)) for r, g, lg in zip(reference, got, ref_logits, strict=True)]
+def _agreement(reference: list[list[int]], ref_logits: list[torch.Tensor], got: list[list[int]],
+               dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """Greedy agreement with the reference; in half precision (``dtype``) a tie is a gap of a rounding step or two."""
+    matches = [compare_greedy(r, g, list(lg), dtype=dtype) for r, g, lg in zip(reference, got, ref_logits, strict=True)]
     return {
         "identical_requests": sum(m.identical for m in matches),
         "agreeing_requests": sum(m.ok for m in matches),
@@ -383,15 +385,32 @@ def _agreement(reference: list[list[int]], ref_logits: list[torch.Tensor], got: 
     }
 
 
+def load_model(model_name: str | None, quick: bool, seed: int, model_shape: str | None = None,
+               dtype: str = "bfloat16", num_layers: int | None = None) -> tuple[Any, dict[str, Any] | None]:
+    """The bench model (``--model``, or a real shape from flashpage/bench/shapes.py) and, for a shape,
+    what the report's header says about it (None otherwise)."""
+    if model_shape is None:
+        return load_bench_model(model_name, quick=quick, seed=seed), None
+    from flashpage.bench.shapes import describe, load_shape_bench_model
+
+    return load_shape_bench_model(model_shape, dtype, num_layers), describe(model_shape, dtype, num_layers)
+
+
 def run(workload: str = "mixed", model_name: str | None = None, quick: bool = False, seed: int = 0,
-        systems: tuple[str, ...] = SYSTEMS) -> dict[str, Any]:
-    """Run the systems on one workload; returns a JSON-friendly dict (see the module docstring)."""
-    bm = load_bench_model(model_name, quick=quick, seed=seed)
+        systems: tuple[str, ...] = SYSTEMS, model_shape: str | None = None, dtype: str = "bfloat16",
+        num_layers: int | None = None) -> dict[str, Any]:
+    """Run the systems on one workload; returns a JSON-friendly dict (see the module docstring).
+    ``model_shape``: a real shape (flashpage/bench/shapes.py) in ``dtype`` with ``num_layers``, not ``model_name``."""
+    bm, shape = load_model(model_name, quick, seed, model_shape, dtype, num_layers)
     model = bm.model
     work = make_workload(workload, bm.vocab_size, quick=quick, seed=seed)
     pad_id = model.config.pad_token_id if getattr(model.config, "pad_token_id", None) is not None else 0
     num_blocks = _pool_blocks(work)
     _log(f"model: {bm.name}, {bm.parameters / 1e6:.1f}M parameters; workload {workload}: {work.description}")
+    if shape is not None:
+        from flashpage.bench.shapes import header_line
+
+        _log(header_line(shape))
 
     raw: dict[str, dict[str, Any]] = {}
     unavailable: dict[str, str] = {}  # system -> why it did not run
@@ -421,7 +440,7 @@ def run(workload: str = "mixed", model_name: str | None = None, quick: bool = Fa
         tokens = r.pop("tokens")
         entry = {"label": LABELS[name], **r, "output_tokens_per_s": r["output_tokens"] / r["seconds"]}
         if name != "hf_generate":
-            entry.update(_agreement(reference, ref_logits, tokens))
+            entry.update(_agreement(reference, ref_logits, tokens, model.dtype))
             entry["lengths_ok"] = [len(t) for t in tokens] == list(work.max_tokens)
         else:
             entry["lengths_ok"] = [len(t) for t in tokens] == list(work.max_tokens)
@@ -449,6 +468,7 @@ def run(workload: str = "mixed", model_name: str | None = None, quick: bool = Fa
         "workload_description": work.description,
         "quick": quick,
         **bm.run_facts(),
+        **({"shape": shape} if shape is not None else {}),
         "requests": len(work.prompts),
         "prompt_tokens": sum(len(p) for p in work.prompts),
         "useful_output_tokens": useful,
@@ -487,12 +507,15 @@ def _ms(s: float) -> str:
 
 def format_report(result: dict[str, Any]) -> str:
     """Human-readable lines for :func:`run`'s result."""
+    from flashpage.bench.shapes import header_line
+
     lines = [
         f"bench engine, workload {result['workload']}: {result['workload_description']}",
         f"model: {result['model']} ({result['parameters'] / 1e6:.1f}M params, {result['dtype']}, {result['device']}, "
         f"{result['threads']} threads, load avg {result['load_average_1m']}{', quick' if result['quick'] else ''}); "
         "greedy, EOS ignored; "
         f"{result['prompt_tokens']} prompt tokens, {result['useful_output_tokens']} output tokens",
+        *([header_line(result["shape"])] if result.get("shape") else []),
         f"block size {result['block_size']}, pool {result['pool_blocks']} blocks (flashpage and HF CB), "
         f"{result['max_batched_tokens']} tokens per step at most; HF generate in batches of {result['hf_batch_size']}",
         "",

@@ -31,8 +31,24 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
     return generate.run(model_name=getattr(args, "model", None), quick=args.quick)
 
 
+def _shape_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``--model-shape`` / ``--dtype`` / ``--num-layers`` as keyword arguments of the engine benches (none
+    when no shape is asked for); ValueError for a combination that means nothing."""
+    shape = getattr(args, "model_shape", None)
+    if shape is None:
+        for flag in ("dtype", "num_layers"):
+            if getattr(args, flag, None) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} is for --model-shape; add --model-shape NAME "
+                                 "(`flashpage bench shapes` lists them)")
+        return {}
+    if getattr(args, "model", None) is not None:
+        raise ValueError("--model and --model-shape: give one (a checkpoint, or a published shape with random weights)")
+    return {"model_shape": shape, "dtype": args.dtype or "bfloat16", "num_layers": args.num_layers}
+
+
 def _engine(args: argparse.Namespace) -> dict[str, Any]:
     against = getattr(args, "against", None)
+    shape = _shape_args(args)
     if against == "vllm":
         from flashpage.bench import vs_vllm as vllm
 
@@ -44,7 +60,7 @@ def _engine(args: argparse.Namespace) -> dict[str, Any]:
             if getattr(settings, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(settings, name)}: give at least 1")
         return vllm.run(args.vllm_python, workload=args.workload, model_name=args.model, quick=args.quick,
-                        rounds=args.rounds, settings=settings, compile=getattr(args, "compile", False))
+                        rounds=args.rounds, settings=settings, compile=getattr(args, "compile", False), **shape)
     if getattr(args, "vllm_python", None):
         raise ValueError("--vllm-python is for --against vllm; add --against vllm (or drop --vllm-python)")
     if getattr(args, "compile", False):
@@ -53,7 +69,7 @@ def _engine(args: argparse.Namespace) -> dict[str, Any]:
     from flashpage.bench import engine
 
     return engine.run(workload=getattr(args, "workload", "mixed"), model_name=getattr(args, "model", None),
-                      quick=args.quick)
+                      quick=args.quick, **shape)
 
 
 def _hotpath(args: argparse.Namespace) -> dict[str, Any]:

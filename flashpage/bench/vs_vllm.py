@@ -23,6 +23,7 @@ average, and whether the greedy tokens are identical request by request. vLLM's 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -35,8 +36,15 @@ from typing import Any
 
 import torch
 
-from flashpage.bench.engine import MAX_BATCHED_TOKENS, _pool_blocks, _warm_prompts, make_workload, run_flashpage
-from flashpage.bench.models import load_average, load_bench_model
+from flashpage.bench.engine import (
+    MAX_BATCHED_TOKENS,
+    _pool_blocks,
+    _warm_prompts,
+    load_model,
+    make_workload,
+    run_flashpage,
+)
+from flashpage.bench.models import load_average
 from flashpage.cpu_memory import malloc_plan
 from flashpage.cpu_threads import bound_cpu_threads
 from flashpage.errors import FlashpageError
@@ -170,10 +178,14 @@ def _summary(runs: list[float]) -> dict[str, Any]:
 
 
 def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None = None, quick: bool = False,
-        rounds: int = 3, settings: Settings | None = None, seed: int = 0, compile: bool = False) -> dict[str, Any]:
+        rounds: int = 3, settings: Settings | None = None, seed: int = 0, compile: bool = False,
+        model_shape: str | None = None, dtype: str = "bfloat16", num_layers: int | None = None) -> dict[str, Any]:
     """Alternate ``rounds`` pairs of runs (flashpage, then vLLM); see the module docstring. ``compile``:
-    flashpage runs ``LLM(compile=True)``, compiled in its warm-up (reported), as vLLM compiles at startup."""
+    flashpage runs ``LLM(compile=True)``, compiled in its warm-up (reported), as vLLM compiles at startup.
+    ``model_shape``: a real shape (flashpage/bench/shapes.py) saved in ``dtype``, both systems run in ``dtype``."""
     settings = settings or Settings()
+    if model_shape is not None:
+        settings = dataclasses.replace(settings, dtype=dtype)
     if rounds < 1:
         raise ValueError(f"--rounds {rounds}: give at least 1")
     if settings.threads < 1:
@@ -183,7 +195,7 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
                          "(both systems run with the same block size); try 128")
     version = check_vllm_python(vllm_python)
     assert vllm_python is not None
-    bm = load_bench_model(model_name, quick=quick, seed=seed)
+    bm, shape = load_model(model_name, quick, seed, model_shape, dtype, num_layers)
     work = make_workload(workload, bm.vocab_size, quick=quick, seed=seed)
     num_blocks = _pool_blocks(work, settings.block_size)
     max_model_len = int(getattr(bm.model.config, "max_position_embeddings", 2048))
@@ -192,7 +204,11 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
     with tempfile.TemporaryDirectory(prefix="flashpage-vs-vllm-") as tmp:
         workdir = Path(tmp)
         model_dir = vllm_model_arg(model_name)
-        if model_dir is None:
+        if shape is not None:
+            from flashpage.bench.shapes import saved_shape
+
+            model_dir = str(saved_shape(model_shape or "", dtype, num_layers))  # what flashpage loaded
+        elif model_dir is None:
             model_dir = str(workdir / "model")
             bm.model.save_pretrained(model_dir)  # vLLM loads the very weights flashpage runs
         spec = make_spec(bm, work, settings, model_dir, num_blocks, max_model_len, seed)
@@ -229,6 +245,7 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
     return {
         "bench": "engine_vs_vllm", "workload": workload, "workload_description": work.description,
         "quick": quick, "model": bm.name, "parameters": bm.parameters, "vllm_version": version,
+        **({"shape": shape} if shape is not None else {}),
         "settings": {**settings.__dict__, "kv_pool_blocks": num_blocks, "kv_pool_bytes": spec["kv_cache_memory_bytes"],
                      "max_model_len": max_model_len, "vllm_omp_threads_bind": vl_result.get("omp_threads_bind"),
                      "flashpage_cpu_bind": fp_binding},
@@ -271,6 +288,8 @@ def _rounds_line(rounds: list[dict[str, float]]) -> str:
 
 def format_report(result: dict[str, Any]) -> str:
     """Human-readable lines for :func:`run`'s result."""
+    from flashpage.bench.shapes import header_line
+
     s = result["settings"]
     fp, vl = result["flashpage"], result["vllm"]
     runs = ", ".join(f"{a:.1f} / {b:.1f} ({r:.2f}x)" for a, b, r in
@@ -279,6 +298,7 @@ def format_report(result: dict[str, Any]) -> str:
         f"bench engine --against vllm, workload {result['workload']}: {result['workload_description']}",
         f"model: {result['model']} ({result['parameters'] / 1e6:.1f}M params); vLLM {result['vllm_version']}; "
         f"load avg {result['load_average_1m']}{', quick' if result['quick'] else ''}",
+        *([header_line(result["shape"])] if result.get("shape") else []),
         f"both: {s['dtype']}, {s['threads']} thread(s) (vLLM bound to cores {s['vllm_omp_threads_bind']}; flashpage: "
         f"{s['flashpage_cpu_bind']}), "
         f"max_num_seqs {s['max_num_seqs']}, max_num_batched_tokens {s['max_num_batched_tokens']} (decodes first, "

@@ -230,14 +230,16 @@ def test_cache_takes_every_argument_this_transformers_passes() -> None:
 def test_patch_refuses_cache_calls_it_cannot_take(monkeypatch: pytest.MonkeyPatch) -> None:
     """The 5.25 crash, replayed: a cache method without the keywords transformers passes is refused at patch(),
     by name, before the model is touched; never a TypeError inside generate()."""
-    def activate_past_recording(self: HFPagedCache) -> None:  # flashpage's signature before transformers 5.25
+    def old_signature(self: HFPagedCache) -> None:  # flashpage's activate_past_recording before transformers 5.25
         return None
 
-    monkeypatch.setattr(HFPagedCache, "activate_past_recording", activate_past_recording)
+    def transformers_525(self: Cache, **kwargs: object) -> None:  # 5.25's Cache.activate_past_recording
+        return None
+
+    monkeypatch.setattr(Cache, "activate_past_recording", transformers_525, raising=False)  # any release
+    monkeypatch.setattr(HFPagedCache, "activate_past_recording", old_signature)
     hf_cache.cache_api_mismatches.cache_clear()
     try:
-        if "kwargs" not in inspect.signature(Cache.activate_past_recording).parameters:
-            pytest.skip("this transformers' Cache.activate_past_recording takes no keywords (before 5.25)")
         model = tiny_model("llama")
         attn = model.config._attn_implementation
         with pytest.raises(flashpage.UnsupportedModelError, match=r"Cache\.activate_past_recording\(\*\*kwargs\)"):

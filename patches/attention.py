@@ -83,12 +83,13 @@ def sees_later_tokens(mask: torch.Tensor, kwargs: dict[str, Any]) -> bool:
     else:
         q_offset = kwargs.get("q_offset", k_len - q_len)
         q_pos = torch.arange(q_len, device=device) + int(q_offset)
-    k_pos = torch.arange(k_len, device=device) + int(kwargs.get("kv_offset", 0) or 0)
+    kv_offset = int(kwargs.get("kv_offset", 0) or 0)
+    k_pos = torch.arange(k_len, device=device) + kv_offset
     later = mask & (k_pos[None, :] > q_pos[:, None])  # (B, 1, Lq, Lk)
     rows = later.any(dim=-1)[:, 0]  # (B, Lq)
     padding = kwargs.get("attention_mask")
     if isinstance(padding, torch.Tensor) and padding.dim() == 2:
-        column = (q_pos - int(kwargs.get("kv_offset", 0) or 0)).clamp(0, padding.shape[1] - 1).to(padding.device)
+        column = (q_pos - kv_offset).clamp(0, padding.shape[1] - 1).to(padding.device)
         rows = rows & padding.index_select(1, column).to(device=device, dtype=torch.bool)
     return bool(rows.any())
 

@@ -116,8 +116,9 @@ def untested_warning(version: str) -> str | None:
     if _release(version)[:2] <= _release(NEWEST_TESTED)[:2]:
         return None
     return (f"flashpage was tested with transformers {MIN_TRANSFORMERS.removesuffix('.0')} to {NEWEST_TESTED}.x; "
-            f"{version} is newer. patch() probes every cache method generate() calls and refuses a model it cannot "
-            f"run exactly, but a generate() mode new in {version} may be refused by name; to stay on tested "
+            f"{version} is newer. patch() refuses, by name, cache methods whose arguments flashpage's cache does not "
+            f"take, and probes the model through it, but a generate() mode new in {version} may be refused; to stay "
+            f"on tested "
             f'releases: pip install "transformers>={MIN_TRANSFORMERS.removesuffix(".0")},<'
             f'{_release(NEWEST_TESTED)[0]}.{_release(NEWEST_TESTED)[1] + 1}"')
 

@@ -127,10 +127,9 @@ class _PagedLayer(CacheLayerMixin):
 # transformers' linear-attention layer (conv / recurrent states), from 5.5 on; None before.
 _LinearLayer = getattr(cache_utils, "LinearAttentionLayer", None)
 _LinearMixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
-# transformers' layer class of each cache layer type: DYNAMIC_LAYER_TYPE_MAPPING from 5.14, LAYER_TYPE_CACHE_MAPPING
-# in some releases before; empty where neither exists (every layer is then a paged one)
-_LAYER_CLASSES: Mapping[str, type] = (getattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING", None)
-                                      or getattr(cache_utils, "LAYER_TYPE_CACHE_MAPPING", None) or {})
+# transformers' layer class of each cache layer type, from 5.14; empty before (cache_layer_types then says
+# "full_attention" for every layer: every layer is a paged one)
+_LAYER_CLASSES: Mapping[str, type] = getattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING", {})
 
 
 if _LinearLayer is not None:

@@ -56,7 +56,7 @@ class PatchState:
     report: checks.ProbeReport | None = None  # what the probe forward saw (checks.py)
     restore: list[tuple[Any, str, Any]] = field(default_factory=list)  # (object, attribute, value) for unpatch
     chunks: dict[int, int] = field(default_factory=dict)  # {layer: chunk size} of chunked-attention layers
-    causal: bool | None = None  # some attention module is causal (a mask letting tokens see later ones is wrong)
+    causal: bool = True  # some attention module is causal (a mask letting tokens see later ones is wrong)
 
 
 def _has_causal_attention(model: torch.nn.Module) -> bool:
@@ -97,7 +97,7 @@ def patch(model: torch.nn.Module, **cache_options: Any) -> torch.nn.Module:
     register()
     state = PatchState(family=family, cache_options=dict(cache_options),
                        previous_attn=getattr(model.config.get_text_config(decoder=True), "_attn_implementation", None),
-                       root=model)
+                       root=model, causal=_has_causal_attention(model))
     _install(model, state)
     try:
         if family.install is not None:  # adapters (legacy.py) change the model's attention modules
@@ -368,8 +368,6 @@ def _pre_hook(state: PatchState):
         if state.family.path == "adapter":  # their models build ALiBi / masks from the 2D mask as given
             return None
         if state.family.path == "interface" and not cache.dense_view:  # attention on the pages: the mask unread
-            if state.causal is None:
-                state.causal = _has_causal_attention(state.root if state.root is not None else module)
             if state.causal:
                 set_paged_forward(type(module).__name__)
         return _fixed_width_mask(cache, args, kwargs)

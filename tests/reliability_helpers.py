@@ -1,4 +1,4 @@
-"""Shared helpers for the reliability suites (tests/test_soak.py, test_faults.py, test_bad_input.py).
+"""Shared helpers for the reliability suites (tests/engine/test_soak.py, test_faults.py, test_bad_input.py).
 
 - :class:`FaultHook` / :class:`HoldHook`: forward pre-hooks that raise (any exception, also
   ``KeyboardInterrupt``) or block (on a ``threading.Event``) on chosen calls of a module;

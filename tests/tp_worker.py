@@ -1,4 +1,4 @@
-"""One rank of the tensor-parallel tests (tests/test_tp.py starts two under torchrun, gloo, CPU).
+"""One rank of the tensor-parallel tests (tests/engine/test_tp.py starts two under torchrun, gloo, CPU).
 
 Loads the built-in tiny model with ``tp_plan="auto"``, runs every scenario of the TP tests on it and
 writes what it saw to ``<out_dir>/rank<r>.json``; test_tp.py compares the ranks with each other and

@@ -8,7 +8,7 @@ per function), so every release from FA2_MIN and every FA3/FA4 interface since 2
 What an installed version cannot express (softcap, cache_leftpad or the LSE on an old release) is
 refused here, in ``problem``, so the call goes to another backend instead of failing there.
 
-Known upstream quirks handled here (each has a contract test in tests/test_contract_flash.py):
+Known upstream quirks handled here (each has a contract test in tests/kernels/test_contract_flash.py):
 - FA2 reshapes a one-query GQA call (``seqlenq_ngroups_swapped``) before it checks lengths and,
   in varlen, ignores cu_seqlens_q then: such calls get a window that masks nothing (left = the key
   capacity, normalised away by FA2 after the reshape decision), which switches the reshape off.

@@ -5,7 +5,7 @@
 ``generate()``. Both must produce eager flashpage's (and transformers') greedy tokens. Skipped
 without CUDA; one command, a few minutes on one GPU:
 
-    python -m pytest -q -m gpu tests/test_gpu_compile.py tests/test_kernels_gpu.py
+    python -m pytest -q -m gpu tests/gpu/test_gpu_compile.py tests/gpu/test_kernels_gpu.py
 """
 
 from __future__ import annotations

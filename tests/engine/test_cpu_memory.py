@@ -19,7 +19,7 @@ import pytest
 
 from flashpage import cpu_memory as cm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 glibc_only = pytest.mark.skipif(cm.mallinfo2() is None, reason="needs glibc >= 2.33 (mallinfo2)")
 CLEARED = (cm.ENV, "LD_PRELOAD", "GLIBC_TUNABLES", *cm.MALLOC_ENVS)
 

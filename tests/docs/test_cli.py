@@ -4,7 +4,7 @@ seeded sampling), ``demo`` and the quick benchmarks' JSON and plots.
 Everything runs in-process through :func:`flashpage.cli.main` (one torch import for all), on the
 built-in tiny model, offline; one test runs the installed console script. ``bench generate`` and
 ``bench engine --workload shared-prefix`` at their real ``--quick`` size, with ``--plot``, are
-tests/test_bench.py's; here ``bench generate --quick`` runs a smaller workload (monkeypatched) to
+tests/bench/test_bench.py's; here ``bench generate --quick`` runs a smaller workload (monkeypatched) to
 check the command's wiring, and ``bench engine --quick`` runs its default mixed workload.
 """
 
@@ -22,7 +22,7 @@ import pytest
 from flashpage.cli import main
 from flashpage.commands import DEMO_PROMPTS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENTRY_POINTS = ("flash_attn_with_kvcache", "flash_attn_varlen_func", "store_kv")
 SUBCOMMANDS = (
     ("info",),
@@ -143,7 +143,7 @@ def test_generate_seeded_sampling_is_reproducible(capsys: pytest.CaptureFixture[
 def test_generate_text_is_mostly_words(capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI path (flashpage.LLM on the patched tiny model) writes real words.
 
-    tests/test_tiny_model.py checks transformers' own greedy output against the whole training
+    tests/docs/test_tiny_model.py checks transformers' own greedy output against the whole training
     corpus; this checks what a user of `flashpage generate` sees, against the words of the help
     topics alone (the corpus's first part, quick to build).
     """

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.serve_helpers import MODEL, tiny_server
+from serve_helpers import MODEL, tiny_server
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flashpage import LLM, SamplingParams
-from tests.model_zoo import tiny_model
+from model_zoo import tiny_model
 
 POSITIONS = 256  # max_position_embeddings of model_zoo's llama
 

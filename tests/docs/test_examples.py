@@ -27,7 +27,7 @@ from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES_DIR = ROOT / "examples"
 NAMES = ("quickstart", "continuous_batching", "prefix_caching", "kernel_level", "grpo_trl")
 PLOTS = {"continuous_batching": "throughput.png", "prefix_caching": "prefix_blocks.png", "grpo_trl": "grpo_rewards.png"}

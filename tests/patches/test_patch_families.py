@@ -243,7 +243,7 @@ def test_support_matrix_default_builder_and_failures() -> None:
 
 
 # ------------------------------------------------------------------------------ README's table
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 MATRIX_START, MATRIX_END = "<!-- support-matrix:start -->", "<!-- support-matrix:end -->"
 
 
@@ -282,4 +282,4 @@ def test_readme_support_matrix_is_current(family_run: Callable[[str], FamilyRun]
         current = table
     assert _readme_cells(current) == _readme_cells(table), (
         "README's support matrix is out of date: run FLASHPAGE_UPDATE_README=1 pytest "
-        "tests/test_patch_families.py -k readme")
+        "tests/patches/test_patch_families.py -k readme")

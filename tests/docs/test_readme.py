@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 SKIP = re.compile(r"^<!--\s*readme:\s*skip\s*\((?P<reason>.+)\)\s*-->$")
 MARKER = re.compile(r"^<!--.*-->$")

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench(tmp_path: Path, *args: str) -> tuple[dict, Path]:

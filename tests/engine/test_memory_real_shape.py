@@ -14,7 +14,7 @@ and the greedy tokens must equal unpatched transformers' ``generate()`` (one pro
 reference's top-1 / top-2 logit margins are checked so the comparison is decisive). A parent-side watchdog
 kills a child past :data:`KILL_AT` so a regression fails the test instead of the machine.
 
-Run a case by hand: ``python tests/test_memory_real_shape.py llm`` (prints the measurements as JSON).
+Run a case by hand: ``python tests/engine/test_memory_real_shape.py llm`` (prints the measurements as JSON).
 """
 
 from __future__ import annotations

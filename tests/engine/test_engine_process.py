@@ -1,7 +1,7 @@
 """EngineProcess (the engine in its own process, ``flashpage serve``'s default) against the same LLM in this
 process: every output field equal (samples, text, logprobs, prompt logprobs), snapshots that never change
 once handed out, the child's errors raised here with their type and message, a drained close, and a child
-that dies failing its requests instead of hanging them (its restarts: tests/test_serve_engine_death.py). The HTTP
+that dies failing its requests instead of hanging them (its restarts: tests/serve/test_serve_engine_death.py). The HTTP
 server over it: tests/test_serve*.py."""
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from flashpage.patches.compat import UnsupportedTransformersError
 
 pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------ the declared range

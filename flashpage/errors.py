@@ -65,6 +65,7 @@ class InvariantError(FlashpageError, AssertionError):
 
 
 class NonCausalMaskError(FlashpageError, NotImplementedError):
-    """A patched model's forward built an attention mask that lets tokens see later tokens (Gemma 3 / Gemma 4 /
-    PaliGemma image tokens attend bidirectionally), which flashpage's causal paged attention cannot compute.
-    Raised while the mask is built, before any layer writes K/V."""
+    """A forward in one of the engine's packed steps built an attention mask that lets tokens see later tokens
+    (Gemma 3 / Gemma 4 / PaliGemma image tokens attend bidirectionally), which those steps cannot compute.
+    Raised while the mask is built, before any layer writes K/V. (Patched ``generate()`` computes such forwards
+    exactly: attention under the mask over the K/V read back from the pages.)"""

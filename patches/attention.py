@@ -38,11 +38,12 @@ ATTN_NAME = "pagedkv"
 _PAGED_FORWARD = threading.local()
 
 
-def set_paged_forward(model: str | None) -> None:
-    """Say (patching's hooks) which model's paged forward is in flight on this thread (None: none). Skipped under
-    ``torch.compile``, which traces the hooks (and the mask check is skipped there too)."""
+def set_paged_forward(model: str | None, cache: Any = None) -> None:
+    """Say (patching's hooks) which model's paged forward is in flight on this thread (None: none), and its
+    HFPagedCache. Skipped under ``torch.compile``, which traces the hooks (and the mask check is skipped there too)."""
     if not torch.compiler.is_compiling():
         _PAGED_FORWARD.model = model
+        _PAGED_FORWARD.cache = cache
 
 
 def paged_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -52,20 +53,27 @@ def paged_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     (``use_cache=False``, a cache the caller chose, dense-view families) and attention weights use
     it exactly as transformers' sdpa / eager attention would, so those agree with the unpatched
     model. In a paged forward, a mask that lets a real token see a later one (image tokens attending
-    bidirectionally) raises :class:`~flashpage.errors.NonCausalMaskError` here, before any layer runs,
-    instead of being silently computed causally. Trace-friendly: ``torch.compile(fullgraph=True)`` goes
-    through it (the check is skipped while compiling).
+    bidirectionally: Gemma 3 / 4 ``token_type_ids``, PaliGemma's prefix) marks the forward: its layers
+    still write their K/V to the pages, then attend under this mask over the keys read back from the pages
+    (:func:`pagedkv_attention`), exactly as transformers does. Where the forward's plan is not the cache's own
+    (the engine's packed steps) it raises :class:`~flashpage.errors.NonCausalMaskError` here, before any layer
+    runs, instead of computing it causally. Trace-friendly: ``torch.compile(fullgraph=True)`` goes through it
+    (the check is skipped while compiling).
     """
     mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"](*args, **kwargs)
     if torch.compiler.is_compiling() or not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2] < 2:
         return mask
     model = getattr(_PAGED_FORWARD, "model", None)
     if model is not None and sees_later_tokens(mask, kwargs):
+        cache = getattr(_PAGED_FORWARD, "cache", None)
+        if cache is not None and cache.owns_plan:  # generate()'s forward: attention under this mask (exact)
+            cache.sees_later = True
+            return mask
         raise NonCausalMaskError(
             f"{model}'s attention mask for this input lets tokens see later tokens (bidirectional attention, e.g. "
-            "over image tokens marked by token_type_ids / mm_token_type_ids), which flashpage's causal paged "
-            "attention cannot compute exactly. Generate such inputs on the unpatched model (flashpage.unpatch(model), "
-            "then flashpage.patch(model) again); text-only prompts run patched as before.")
+            "over image tokens marked by token_type_ids / mm_token_type_ids), which flashpage's packed engine steps "
+            "cannot compute exactly. Run such inputs through the patched model's generate() (exact there), or "
+            "unpatched; text-only prompts run in the engine as before.")
     return mask
 
 
@@ -126,6 +134,8 @@ def pagedkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """
     state = getattr(module, "_flashpage_state", None)
     cache = getattr(state, "active_cache", None)
+    if is_causal is None and attention_mask is None and _attends_all_unmasked(module, query, cache):
+        is_causal = False
     own = unpatched_attention(module) if cache is None and not kwargs.get("output_attentions") else None
     if own is not None:  # no paged cache in this forward (training, use_cache=False): the unpatched attention
         if kwargs.get("indices") is not None:  # merged into the mask as the model does for eager / sdpa
@@ -154,7 +164,9 @@ def pagedkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # sequence (right padding, masks with holes) needs the logical layout for windowed layers; top-k indices
     # address logical key positions; a padded prefill's chunked layers take transformers' chunked mask
     local = options["window_size"] != (-1, -1) or chunk
-    logical = weights or indices is not None or (paged and cache.has_holes and local) or \
+    # a forward whose mask lets tokens see later ones (image tokens attending both ways, paged_mask): its K/V are
+    # on the pages; attention under that mask over the keys read back, as transformers computes it
+    logical = weights or indices is not None or (paged and (cache.sees_later or cache.has_holes and local)) or \
         (paged and chunk and not getattr(_step(cache, query), "supports_chunks", True))  # (a compiled packed step:
     # the engine's, which does)
     if paged and not logical:
@@ -168,6 +180,17 @@ def pagedkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if indices is not None:
         attention_mask = _select_keys(attention_mask, indices, query.shape[2], key.shape[2], options["causal"])
     return _dense(query, key, value, attention_mask, options, weights)
+
+
+def _attends_all_unmasked(module: torch.nn.Module, query: torch.Tensor, cache: Any) -> bool:
+    """Whether the unpatched model, handed no mask for this multi-token forward, attends to every key both ways:
+    a module that says ``is_causal=False`` but is handed causal masks (PaliGemma's text model: patch() made it
+    causal and marked it) under sdpa, which then reads ``module.is_causal`` (transformers skips the mask where
+    there is no padding; an eager mask is always built, causal). Not in the engine's packed steps (chunked,
+    prefix-cached prefill cannot reproduce it; LLM refuses such models)."""
+    state = getattr(module, "_flashpage_state", None)
+    return (query.shape[2] > 1 and getattr(module, "_flashpage_unmasked_full", False)
+            and getattr(state, "previous_attn", None) == "sdpa" and (cache is None or cache.owns_plan))
 
 
 def _merge_indices(mask: torch.Tensor | None, indices: torch.Tensor, query: torch.Tensor) -> torch.Tensor:

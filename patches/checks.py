@@ -274,6 +274,27 @@ def _eval_no_grad(model: torch.nn.Module):
             m.training = training
 
 
+# per-batch state models keep on their modules between forwards of one generate() (Qwen-VL / GLM-4V M-RoPE
+# position deltas, GLM-Image's decode positions): left from the user's last batch, it would shape the probe's
+_BATCH_STATE = ("rope_deltas", "_cached_decode_position_ids")  # positions (and fail on its batch size)
+
+
+@contextmanager
+def _batch_state_cleared(model: torch.nn.Module):
+    """Run the probe as a fresh model would: each module's per-batch state (:data:`_BATCH_STATE`) set to None
+    for the probe, then given back as it was (the next generate() resets it anyway; a caller continuing its
+    own batch by hand keeps it)."""
+    saved = [(m, name, vars(m)[name]) for m in model.modules() for name in _BATCH_STATE
+             if vars(m).get(name) is not None]
+    for m, name, _ in saved:
+        setattr(m, name, None)
+    try:
+        yield
+    finally:
+        for m, name, value in saved:
+            setattr(m, name, value)
+
+
 # ----------------------------------------------------------------------------------- probe
 def _probe_tokens(config: Any, count: int) -> list[int]:
     """Ordinary token ids (no special or multimodal placeholder ids) of this vocabulary."""
@@ -338,7 +359,7 @@ def probe(model: torch.nn.Module, state: Any) -> ProbeReport:
     cache.recorder = rec
     kwargs = {cache_kwarg(model): cache, "use_cache": True}
     try:
-        with _eval_no_grad(model), _recording(rec):
+        with _eval_no_grad(model), _recording(rec), _batch_state_cleared(model):
             rec.start_forward()
             model(input_ids=ids, attention_mask=mask, **kwargs)
             rec.start_forward()
@@ -563,7 +584,21 @@ def check_no_sparse_indexer(model: torch.nn.Module, report: ProbeReport) -> str 
     return None
 
 
-ENGINE_CHECKS: list[EngineCheck] = [check_recurrent_state_in_cache, check_mask_not_edited, check_no_sparse_indexer]
+def check_no_unmasked_bidirectional_prefill(model: torch.nn.Module, report: ProbeReport) -> str | None:
+    """Attention modules that say ``is_causal=False`` but are handed causal masks (PaliGemma's text model,
+    ``use_bidirectional_attention``) under sdpa: transformers skips the mask for an unpadded prompt and sdpa then
+    attends to the whole prompt both ways (patched generate() does the same). A chunked or prefix-cached engine
+    prefill cannot (its prompt's first tokens never see the rest): the logprobs drifted by ~1e-4, silently."""
+    for module in report.causal_by_mask:
+        if getattr(getattr(module, "_flashpage_state", None), "previous_attn", None) == "sdpa":
+            return (f"its attention ({type(module).__name__}) says is_causal=False: transformers attends to an "
+                    "unpadded prompt both ways (sdpa without a mask), which the engine's chunked, prefix-cached "
+                    "causal prefill does not reproduce")
+    return None
+
+
+ENGINE_CHECKS: list[EngineCheck] = [check_recurrent_state_in_cache, check_mask_not_edited, check_no_sparse_indexer,
+                                    check_no_unmasked_bidirectional_prefill]
 
 
 def engine_refusal_reason(model: torch.nn.Module, report: ProbeReport | None) -> str | None:

@@ -302,6 +302,7 @@ class HFPagedCache(Cache):
         self.plan: StepPlan | None = None
         self.step: DeviceStep | None = None  # the plan on the input's device (what the layers use)
         self.has_holes = False  # some row has padding after a real token (set per forward)
+        self.sees_later = False  # this forward's mask lets tokens see later ones (set by the mask function)
         self._offset: torch.Tensor | None = None  # the logical length as a 0-d tensor on the input device
         self._owns_plan = False
         self._pending = 0  # new tokens of the forward in flight (committed by end_forward)
@@ -346,7 +347,11 @@ class HFPagedCache(Cache):
 
     @property
     def is_initialized(self) -> bool:
-        return self.kv is not None
+        """Whether the cache holds tokens of a finished forward, as transformers' dynamic cache says once every
+        layer was written: models read ``not cache.is_initialized`` as "this is the prefill" (PaliGemma builds
+        its bidirectional prefix mask only then). The pool, created when the prefill is planned, does not count.
+        A cache whose steps the engine plans keeps saying True once it has a pool."""
+        return self.kv is not None and (self._logical_len > 0 or not self._owns_plan)
 
     @property
     def batch_size(self) -> int:
@@ -512,6 +517,7 @@ class HFPagedCache(Cache):
 
     def _start(self, plan: StepPlan, new_mask: torch.Tensor, length: int, device: torch.device | None) -> None:
         self.plan = plan
+        self.sees_later = False
         self.step = plan.to(device if device is not None else "cpu")
         if self._offset is None or self._offset.device != self.step.input_slots.device \
                 or self._offset.is_inference() != torch.is_inference_mode_enabled():
@@ -539,10 +545,12 @@ class HFPagedCache(Cache):
         self.plan = plan
         self.step = plan.to(device)
         self._owns_plan = False
+        self.sees_later = False
 
     def end_forward(self, ok: bool = True) -> None:
         """Commit the planned tokens (``ok``) or roll them back (the forward failed)."""
         plan, self.plan, self.step = self.plan, None, None
+        self.sees_later = False
         if plan is None or not self._owns_plan:
             return
         if ok:

@@ -56,6 +56,7 @@ class PatchState:
     report: checks.ProbeReport | None = None  # what the probe forward saw (checks.py)
     restore: list[tuple[Any, str, Any]] = field(default_factory=list)  # (object, attribute, value) for unpatch
     chunks: dict[int, int] = field(default_factory=dict)  # {layer: chunk size} of chunked-attention layers
+    saved_attn: list[tuple[Any, Any]] = field(default_factory=list)  # (config, its implementation before patch)
     causal: bool = True  # some attention module is causal (a mask letting tokens see later ones is wrong)
 
 
@@ -103,6 +104,7 @@ def patch(model: torch.nn.Module, **cache_options: Any) -> torch.nn.Module:
         if family.install is not None:  # adapters (legacy.py) change the model's attention modules
             state.restore.extend(_adapter_changes(model, family))
         state.family = _checked_family(model, state)
+        state.causal = _has_causal_attention(model)  # the probe may have made is_causal=False modules causal
     except BaseException:
         unpatch(model)
         raise
@@ -113,6 +115,7 @@ def _install(model: torch.nn.Module, state: PatchState) -> None:
     """Select flashpage's attention, hook the forwards and generate()'s cache choice."""
     family = state.family
     if family.set_attention:
+        state.saved_attn = _attention_choices(model)
         model.set_attn_implementation(ATTN_NAME)
     for module in model.modules():
         module._flashpage_state = state
@@ -176,11 +179,20 @@ def _checked_family(model: torch.nn.Module, state: PatchState) -> FamilySpec:
     return family
 
 
+UNMASKED_FULL = "_flashpage_unmasked_full"  # on modules _make_causal changed: see there
+
+
 def _make_causal(state: PatchState, modules: list[torch.nn.Module]) -> None:
+    """Modules that say ``is_causal=False`` but are handed a causal mask (PaliGemma's text model with
+    ``use_bidirectional_attention``): the mask is what transformers applies, so they are made causal. Where
+    transformers skips the mask (no padding: ``attention_mask`` None) such a module attends to every key,
+    bidirectionally: they are marked (:data:`UNMASKED_FULL`) so the attention does the same then."""
     for module in modules:
         if not any(obj is module and name == "is_causal" for obj, name, _ in state.restore):
             state.restore.append((module, "is_causal", module.is_causal))
+            state.restore.append((module, UNMASKED_FULL, vars(module).get(UNMASKED_FULL, ABSENT)))
         module.is_causal = True
+        setattr(module, UNMASKED_FULL, True)
 
 
 def _refusal(model: torch.nn.Module, reason: str) -> str:
@@ -207,8 +219,8 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         del model.set_attn_implementation
     if state.user_set_attn is not None:
         model.set_attn_implementation = state.user_set_attn
-    if state.family.set_attention and state.previous_attn is not None and _attention_switched(model, state) is None:
-        model.set_attn_implementation(state.previous_attn)
+    if state.family.set_attention and _attention_switched(model, state) is None:
+        _restore_attention(state.saved_attn)
     for module in model.modules():
         if "_flashpage_state" in vars(module):
             del module._flashpage_state
@@ -218,6 +230,30 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         del model._prepare_cache_for_generation
     delattr(model, _STATE_ATTR)
     return model
+
+
+def _attention_choices(model: torch.nn.Module) -> list[tuple[Any, Any]]:
+    """Every config of ``model`` whose attention implementation ``set_attn_implementation`` may change (the
+    model's, its sub-configs' at any depth, its sub-models'), each with its current choice."""
+    configs = [model.config] + [getattr(m, "config", None) for m in model.modules() if m is not model]
+    seen: dict[int, tuple[Any, Any]] = {}
+    while configs:
+        config = configs.pop()
+        if config is None or id(config) in seen or not hasattr(config, "_attn_implementation_internal"):
+            continue
+        seen[id(config)] = (config, config._attn_implementation_internal)
+        configs.extend(getattr(config, key, None) for key in getattr(config, "sub_configs", {}) or {})
+    return list(seen.values())
+
+
+def _restore_attention(saved: list[tuple[Any, Any]]) -> None:
+    """Give each config back the implementation it had before ``patch`` (where flashpage's is still selected).
+    Set directly, as transformers' ``set_attn_implementation`` sets it after its checks: those passed when the
+    model chose it, and one choice for the whole model would put the text model's (e.g. "sdpa") on sub-models
+    that do not support it (VibeVoice-ASR's audio tokenizers): unpatch must not fail half-way."""
+    for config, value in saved:
+        if config._attn_implementation_internal == ATTN_NAME:
+            config._attn_implementation_internal = value
 
 
 @contextmanager
@@ -360,6 +396,10 @@ def _pre_hook(state: PatchState):
             return
         cache.dense_view = cache.dense_view or state.family.path == "dense-view"
         if cache.plan is None or cache.owns_plan:  # the engine plans its own steps; generate()'s are planned here
+            if cache.enable_prefix_caching and (carries_media(inputs) or _unmasked_full(state)):
+                # placeholder tokens do not say which image, and K/V of a prefill attending both ways depend on
+                # the tokens after them: pages keyed by the tokens before them would be wrong to share
+                cache.enable_prefix_caching = False
             input_ids = inputs.get("input_ids")
             shaped = input_ids if input_ids is not None else inputs.get("inputs_embeds")
             batch, length = shaped.shape[0], shaped.shape[1]
@@ -369,10 +409,43 @@ def _pre_hook(state: PatchState):
             return None
         if state.family.path == "interface" and not cache.dense_view:  # attention on the pages: the mask unread
             if state.causal:
-                set_paged_forward(type(module).__name__)
+                set_paged_forward(type(module).__name__, cache)
         return _fixed_width_mask(cache, args, kwargs)
 
     return hook
+
+
+def _unmasked_full(state: PatchState) -> bool:
+    """Whether some attention module of the patched model attends bidirectionally when its mask is skipped (an
+    sdpa model's module that says is_causal=False but is handed causal masks: see ``attention.py``)."""
+    return state.previous_attn == "sdpa" and any(name == UNMASKED_FULL for _, name, _ in state.restore)
+
+
+_TEXT_INPUTS = frozenset({"input_ids", "inputs_embeds", "attention_mask", "position_ids", "cache_position",
+                          "token_type_ids", "mm_token_type_ids", "labels", "logits_to_keep"})
+
+
+def carries_media(inputs: dict[str, Any]) -> bool:
+    """Whether a forward's arguments carry images, video or audio (a floating-point tensor, or a list of them,
+    besides the text inputs: ``pixel_values``, ``input_features``, precomputed image embeddings ...). Their
+    tokens are placeholders shared by every image: pages keyed by token ids would hand one request's image K/V
+    to another with the same text, so such a cache hashes no prefixes. Encoder outputs generate() computed
+    before the forward (transformers >= 5.25: ``mm_encoder_outputs``, a dict of model outputs) count too."""
+    return any(_has_float_tensor(value) for name, value in inputs.items()
+               if name not in _TEXT_INPUTS and name not in _CACHE_KWARGS)
+
+
+def _has_float_tensor(value: Any, depth: int = 3) -> bool:
+    """A floating-point tensor in ``value`` or, ``depth`` levels down, in its lists, tuples and dicts."""
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point()
+    if depth <= 0:
+        return False
+    if isinstance(value, dict):
+        return any(_has_float_tensor(v, depth - 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_float_tensor(v, depth - 1) for v in value)
+    return False
 
 
 def _fixed_width_mask(cache: HFPagedCache, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

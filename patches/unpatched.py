@@ -5,7 +5,7 @@ forward with a cache the caller chose run through the attention implementation t
 before ``patch()``: transformers' ``sdpa_attention_forward``, or the family's own
 ``eager_attention_forward`` (softcap, sinks, attention dropout exactly as the family applies
 them). Same function, same arguments, same mask values, same dropout draws: a patched model
-trains exactly as the unpatched one (tests/test_training_untouched.py).
+trains exactly as the unpatched one (tests/patches/test_training_untouched.py).
 """
 
 from __future__ import annotations

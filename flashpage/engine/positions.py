@@ -9,6 +9,9 @@ transformers decoders do not honour that:
   positional embedding (``embed_positions(..., cache_length, position_ids=...)``), ignoring the
   caller's. Under the engine's cache that is 0 and one length for all packed sequences. A forward
   pre-hook on such an embedding replaces the positions it is given by the engine's, per token.
+- Kosmos-2 / Kosmos-2.5 index their sinusoidal table with the positions they are given, counted from
+  ``padding_idx + 1`` (their ``generate()`` drops ``position_ids`` so the embedding counts them itself
+  that way). A pre-hook gives them the engine's 0-based positions shifted by ``padding_idx + 1``.
 - Models whose forward has no ``logits_to_keep`` (whisper's decoder) return logits for every input
   row: :func:`kept_rows` picks the rows the engine asked for.
 """
@@ -26,6 +29,9 @@ import torch
 _ATTR = "_flashpage_engine_positions"
 # parameters of a positional embedding that falls back to the cache's length (transformers' BART family)
 _CACHE_DERIVED = ("cache_length", "past_key_values_length")
+# positional embeddings whose positions start at padding_idx + 1 and whose models let them count positions
+# themselves in generate() (they pop position_ids from the generation inputs)
+_PADDING_OFFSET = ("Kosmos2TextSinusoidalPositionalEmbedding", "Kosmos2_5TextSinusoidalPositionalEmbedding")
 
 
 def _params(module: torch.nn.Module) -> set[str]:
@@ -53,6 +59,12 @@ def cache_position_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
+def padding_offset_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Positional embeddings (:data:`_PADDING_OFFSET`) whose position ``p`` is row ``padding_idx + 1 + p``."""
+    return [m for m in model.modules()
+            if type(m).__name__ in _PADDING_OFFSET and isinstance(getattr(m, "padding_idx", None), int)]
+
+
 @dataclass
 class EnginePositions:
     """Hooks that give cache-derived positional embeddings the engine's positions during a step.
@@ -73,14 +85,16 @@ class EnginePositions:
         existing = getattr(model, _ATTR, None)
         if existing is not None:  # another LLM on the same model: one set of hooks
             return existing
-        if takes_position_ids(model):  # OPT and every decoder that honours the caller's positions
-            return None
-        modules = cache_position_modules(model)
-        if not modules:
+        offset = padding_offset_modules(model)
+        # OPT and every decoder that honours the caller's positions: no hook (but Kosmos' offset tables)
+        modules = [] if takes_position_ids(model) else [m for m in cache_position_modules(model) if m not in offset]
+        if not modules and not offset:
             return None
         holder = cls()
         for module in modules:
             holder.handles.append(module.register_forward_pre_hook(holder._hook, with_kwargs=True))
+        for module in offset:
+            holder.handles.append(module.register_forward_pre_hook(holder._offset_hook, with_kwargs=True))
         setattr(model, _ATTR, holder)
         return holder
 
@@ -96,6 +110,23 @@ class EnginePositions:
         if not isinstance(given, torch.Tensor) or given.numel() != pos.numel():
             return None
         return args, {**kwargs, "position_ids": pos.to(given.device).reshape(given.shape)}
+
+    def _offset_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """The step's positions as rows of a table that starts at ``padding_idx + 1`` (grown if they pass its end,
+        as the embedding grows it for the cache length it is told, which is 0 under the engine's cache)."""
+        pos = self.current
+        if pos is None:
+            return None
+        given = kwargs.get("position_ids")
+        if isinstance(given, torch.Tensor) and given.numel() != pos.numel():
+            return None
+        shifted = pos.to(given.device if isinstance(given, torch.Tensor) else pos.device) + module.padding_idx + 1
+        shifted = shifted.reshape(given.shape) if isinstance(given, torch.Tensor) else shifted.reshape(1, -1)
+        last = int(shifted.max())
+        weights = getattr(module, "weights", None)
+        if isinstance(weights, torch.Tensor) and last >= weights.shape[0] and hasattr(module, "make_weights"):
+            module.make_weights(last + 1 + getattr(module, "offset", 0), module.embedding_dim, module.padding_idx)
+        return args, {**kwargs, "position_ids": shifted}
 
     @contextmanager
     def step(self, position_ids: torch.Tensor) -> Iterator[None]:

@@ -148,23 +148,53 @@ def _tiny_gemma3_vlm() -> torch.nn.Module:
     return Gemma3ForConditionalGeneration(config).eval()
 
 
-def test_image_tokens_attending_both_ways_are_refused_not_computed_causally() -> None:
-    """Gemma 3 lets image tokens (token_type_ids 1) attend to each other both ways; flashpage's paged attention is
-    causal. Patched generate() on such an input raises NonCausalMaskError while the mask is built (it was silently
-    different before); text-only prompts on the same model stay exact, and the cache is left usable."""
-    from flashpage.errors import NonCausalMaskError
-
+def test_image_tokens_attending_both_ways_are_exact_on_the_pages() -> None:
+    """Gemma 3 lets image tokens (token_type_ids 1) attend to each other both ways; flashpage's paged kernels are
+    causal. Patched generate() on such an input writes the K/V to the pages and attends under transformers' own
+    mask over the keys read back (it was silently causal, then refused): tokens and logits equal the unpatched
+    model's; text-only prompts on the same model stay exact. (More in tests/patches/test_vlm.py.)"""
     model = _tiny_gemma3_vlm()
+    with torch.no_grad():  # transformers zero-initialises the projector: the image would change nothing
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.5)
     ids = torch.tensor([[2, 291, 290, 290, 290, 290, 292, 10, 11, 12]])
     image = dict(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=(ids == 290).long(),
                  pixel_values=torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(1)))
     text = dict(input_ids=torch.tensor([[2, 10, 11, 12, 13]]))
+    steps = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
     ref_text = model.generate(**text, max_new_tokens=5, do_sample=False)
-    model.generate(**image, max_new_tokens=3, do_sample=False)  # transformers itself runs it
+    ref = model.generate(**image, **steps)
     with flashpage.patched(model):
-        with pytest.raises(NonCausalMaskError, match="later tokens.*unpatch"):
-            model.generate(**image, max_new_tokens=3, do_sample=False)
+        out = model.generate(**image, **steps)
         assert torch.equal(model.generate(**text, max_new_tokens=5, do_sample=False), ref_text)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(out.logits, ref.logits, strict=True)) <= 1e-4
+
+
+def test_bidirectional_mask_in_an_engine_step_is_refused() -> None:
+    """A step the engine planned (packed sequences, the cache does not own the plan) cannot attend under a
+    per-request 4D mask: a mask letting tokens see later ones raises NonCausalMaskError before any layer runs."""
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import causal_mask_function
+
+    from flashpage.errors import NonCausalMaskError
+    from flashpage.patches.attention import paged_mask, set_paged_forward
+
+    def both_ways(batch_idx, head_idx, q_idx, kv_idx):
+        return causal_mask_function(batch_idx, head_idx, q_idx, kv_idx) | (kv_idx < 3)
+
+    args = dict(batch_size=1, q_length=4, kv_length=4, q_offset=0, kv_offset=0, mask_function=both_ways,
+                attention_mask=None, allow_is_causal_skip=False, dtype=torch.float32, device=torch.device("cpu"))
+    engine_cache = SimpleNamespace(owns_plan=False, sees_later=False)
+    own_cache = SimpleNamespace(owns_plan=True, sees_later=False)
+    try:
+        set_paged_forward("Model", engine_cache)
+        with pytest.raises(NonCausalMaskError, match="later tokens"):
+            paged_mask(**args)
+        set_paged_forward("Model", own_cache)
+        assert paged_mask(**args) is not None and own_cache.sees_later
+    finally:
+        set_paged_forward(None)
 
 
 def test_later_token_check_reads_positions_and_padding() -> None:

@@ -8,7 +8,7 @@ to 32 MiB) with its own ``mmap`` and ``munmap``s it on ``free``, and gives the h
 the OS once it exceeds ``M_TRIM_THRESHOLD`` (twice the mmap threshold). Each step then faults its
 temporaries in again, a 4 KiB page at a time, the kernel zeroing every page: on the built-in model a
 2048-token prefill step took 5-12 thousand minor faults, every round of ``bench engine`` 13-43
-thousand (README, Benchmarks). On a VM that reports freed pages to its host a fault also costs the
+thousand (docs/benchmarks.md). On a VM that reports freed pages to its host a fault also costs the
 host's work.
 
 :func:`tune_malloc` sets, once per process (``LLM`` calls it when it runs on CPU):

@@ -8,7 +8,8 @@ with ``return_dict_in_generate``, a returned cache continued by a second call) m
 model's tokens, and ``LLM`` must give ``generate()``'s greedy tokens; on llama and mistral (sliding window),
 plus the patch of the families with their own attention code (falcon, gpt2, gpt_neox) and a hybrid model.
 Every check prints one line; the script exits 1 if any fails (a crash counts as a failure, with its traceback).
-The thorough per-feature tests are ``tests/patches/test_patch_generate.py`` and friends, which CI runs on fewer releases.
+The thorough per-feature tests are ``tests/patches/test_patch_generate.py`` and friends (CI runs them on fewer
+releases).
 """
 
 from __future__ import annotations

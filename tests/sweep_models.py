@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-README = HERE.parent / "README.md"
+README = HERE.parent / "docs" / "models.md"  # the page that holds the generated matrix
 PROMPT_LENGTHS = (7, 4)
 MAX_NEW_TOKENS = 12
 LOGIT_ATOL = 1e-4
@@ -412,7 +412,7 @@ def readme_table(results: Sequence[TypeResult]) -> str:
 def readme_section(text: str) -> str:
     """The generated part of README (between the sweep-matrix markers)."""
     if MATRIX_START not in text or MATRIX_END not in text:
-        raise ValueError(f"README.md lacks the {MATRIX_START} / {MATRIX_END} markers")
+        raise ValueError(f"{README.name} lacks the {MATRIX_START} / {MATRIX_END} markers")
     return text.split(MATRIX_START, 1)[1].split(MATRIX_END, 1)[0].strip("\n") + "\n"
 
 

@@ -1,6 +1,6 @@
 """xgrammar vs llguidance: token-mask time per step at a batch of concurrent requests, and correctness.
 
-How flashpage chose its grammar library (README "Structured outputs"). For each library and tokenizer,
+How flashpage chose its grammar library (docs/structured-outputs.md). For each library and tokenizer,
 ``batch`` matchers (one per request, over a mix of JSON schemas, a regex and a choice) walk forward
 together: every step fills the (batch, ceil(V/32)) int32 bitmask of all live matchers (timed: the
 per-step cost the engine pays), then each row picks a token the mask allows (seeded; a structural

@@ -41,7 +41,7 @@ def _bucket(n: int, floor: int = 1) -> int:
 def default_compile(device: torch.device) -> bool:
     """Compile by default where it pays: on CUDA (CUDA graphs remove the per-kernel launch cost that
     dominates decode). On CPU the compiled step's one graph takes 30-120 s to compile and gains
-    0.9-1.2x (README "Compiling"), so it is opt-in there (``LLM(compile=True)``)."""
+    0.9-1.2x (docs/engine.md, compiling), so it is opt-in there (``LLM(compile=True)``)."""
     return device.type == "cuda"
 
 

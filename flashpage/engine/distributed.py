@@ -255,7 +255,7 @@ class TPSync:
                 f"{self.info.rank}: {what}): the ranks would "
                 "feed different inputs to the same all-reduce. Every rank must make the same calls on its LLM "
                 "(same prompts, sampling params and request ids, in the same order, at the same point between "
-                "steps); see README 'Tensor parallel'.")
+                "steps); see docs/tensor-parallel.md.")
 
     def same_tokens(self, tokens: list[int]) -> list[int]:
         """Rank 0's sampled tokens, on every rank."""

@@ -42,7 +42,7 @@ class SamplingParams:
         n: independent samples of the same prompt (the prompt's blocks are shared, not recomputed).
         skip_special_tokens: leave special tokens out of ``text``.
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
-            (a :class:`StructuredOutputsParams` or a dict of its fields; README "Structured outputs").
+            (a :class:`StructuredOutputsParams` or a dict of its fields; docs/structured-outputs.md).
     """
 
     max_tokens: int = 16

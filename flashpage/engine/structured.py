@@ -1,8 +1,8 @@
 """Structured outputs: constrain what a request generates to a JSON schema, a regex, a choice or a grammar.
 
 ``SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`` (vLLM's names). The
-constraint is compiled by llguidance (chosen over xgrammar by measurement, see README "Structured
-outputs" and :mod:`flashpage.bench.grammar_libs`) into a grammar; every sample of a constrained
+constraint is compiled by llguidance (chosen over xgrammar by measurement, see docs/structured-outputs.md
+and :mod:`flashpage.bench.grammar_libs`) into a grammar; every sample of a constrained
 request gets its own matcher (``n > 1``: a fork of the first sample's, before either generated
 anything). Each engine step, :meth:`GrammarEngine.apply` fills the token bitmask of the constrained
 rows only (one parallel llguidance call) and sets the logits of every disallowed token to ``-inf``

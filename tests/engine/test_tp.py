@@ -224,9 +224,9 @@ def _wait_up(proc: subprocess.Popen, url: str, timeout: float = 120.0) -> None:
 def test_readme_tensor_parallel_example_runs(tmp_path: Path) -> None:
     """README's 'Tensor parallel' script, as written, under torchrun with 2 ranks: same text on both,
     one KV head each."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    block = re.search(r"## Tensor parallel\n.*?```python\n(.*?)```", readme, re.S)
-    assert block, "README.md has no Tensor parallel python block"
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "tensor-parallel.md").read_text(encoding="utf-8")
+    block = re.search(r"# Tensor parallel\n.*?```python\n(.*?)```", readme, re.S)
+    assert block, "docs/tensor-parallel.md has no Tensor parallel python block"
     script = tmp_path / "tp.py"
     script.write_text(block.group(1), encoding="utf-8")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",

@@ -3,7 +3,8 @@ once (a 503 naming the death; in a stream an error event, then ``[DONE]``), ``/h
 runs, a new engine process is started (``--max-engine-restarts``, counted in ``flashpage_engine_restarts_total``)
 and answers as the first one did; with no restart left the server exits with code 1. Without HTTP: an engine
 process that cannot be built again uses up the restarts and is given up (``fatal_error``), and closing during a
-restart stops the new process too. A death with no restart (EngineProcess's default): tests/engine/test_engine_process.py.
+restart stops the new process too. A death with no restart (EngineProcess's default):
+tests/engine/test_engine_process.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-
 from serve_helpers import MODEL, tiny_server
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"

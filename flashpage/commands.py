@@ -1,38 +1,20 @@
-"""Implementations of ``flashpage generate`` and ``flashpage demo`` (the README's main job)."""
+"""Implementations of ``flashpage generate`` and ``flashpage demo`` (README.md's main job)."""
 
 from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-TINY_MODEL_NAME = "flashpage-tiny"  # the built-in model's name (what `flashpage serve` calls it)
 
+def load_model(name: str | None, dtype: torch.dtype | str | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) for ``--model name`` (None: the built-in model), in the checkpoint's dtype
+    unless ``dtype`` is given, on CUDA when torch sees a GPU (:mod:`flashpage.engine.loading`)."""
+    from flashpage.engine import loading
 
-def load_model(name: str | None, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """(model, tokenizer) from a path / hub id, or the built-in tiny model when ``name`` is None."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from flashpage.tiny import load_tiny_model
-
-    local = Path(name).expanduser() if name is not None else None
-    if name is None or name == TINY_MODEL_NAME:  # the name `flashpage serve` serves it under
-        model, tokenizer = load_tiny_model(dtype)
-    elif local is not None and local.is_file():
-        raise OSError(f"--model {name}: that is a file, not a model; give the checkpoint directory that holds "
-                      f"config.json and the weights (e.g. --model {local.parent}) or a hub id")
-    elif name.startswith((".", "/", "~")) and not local.is_dir():
-        raise OSError(f"--model {name}: no such directory; give a local checkpoint directory or a hub id "
-                      "(omit --model for the built-in tiny model)")
-    else:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return loading.load_model(name, dtype=dtype, label=f"--model {name}")
 
 
 def run_generate(model: str | None, prompt: str, max_tokens: int, temperature: float, stream: bool,

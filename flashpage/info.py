@@ -67,7 +67,8 @@ def collect_info() -> dict[str, Any]:
     for device, dtype, block in probes:
         for entry, choice in backend_info(device=torch.device(device), dtype=dtype, block_size=block).items():
             kernels.append({"device": device, "dtype": str(dtype).removeprefix("torch."), "block_size": block,
-                            "entry_point": entry, "backend": choice.name, "reason": choice.reason})
+                            "entry_point": entry, "reason": choice.reason,
+                            "backend": choice.reason.partition(":")[0]})  # what runs: cpp, fa2, reference, ...
     return {
         "flashpage": flashpage.__version__,
         "python": platform.python_version(),
@@ -148,15 +149,17 @@ def _flat_label() -> str:
 
 
 def _cpu_attention() -> dict[str, str]:
-    """Which attention float32 / float64 paged CPU calls run: the fused C++ kernel or the reference."""
+    """Which attention paged CPU calls run: the fused C++ kernel or the reference, and for which dtypes."""
     from flashpage.kernels import cpu_attention
 
     state = cpu_attention.status()
-    return {"backend": state.name, "reason": state.reason, "force_reference": f"{cpu_attention.ENV}=reference"}
+    dtypes = "/".join(str(d).removeprefix("torch.") for d in cpu_attention.DTYPES)
+    return {"backend": state.name, "reason": state.reason, "force_reference": f"{cpu_attention.ENV}=reference",
+            "dtypes": dtypes}
 
 
 def _cpu_attention_line(state: dict[str, str]) -> str:
-    line = "CPU attention (float32/float64 pages): {backend}: {reason}".format(**state)
+    line = "CPU attention ({dtypes} pages): {backend}: {reason}".format(**state)
     return line + (f" ({state['force_reference']} to force the PyTorch reference)" if state["backend"] == "cpp" else "")
 
 

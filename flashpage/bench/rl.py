@@ -120,14 +120,9 @@ def _log(msg: str) -> None:
 
 
 def _load(model_name: str | None, dtype: torch.dtype, device: str) -> tuple[Any, Any]:
-    if model_name is None:
-        from flashpage.tiny import load_tiny_model
+    from flashpage.engine.loading import load_model
 
-        return load_tiny_model(dtype=dtype, device=device)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype).to(device)
-    return model, AutoTokenizer.from_pretrained(model_name)
+    return load_model(model_name, dtype=dtype, device=device)
 
 
 def _trainer(model: Any, tok: Any, w: RLWorkload, system: str, out_dir: str, bf16: bool = False) -> Any:

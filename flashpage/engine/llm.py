@@ -10,6 +10,7 @@ chunks together), planned once; logits are computed only for sequences that emit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import threading
@@ -23,14 +24,15 @@ import torch
 
 from flashpage.cache import KVGroup, PagedKVCache, default_block_size
 from flashpage.cpu_memory import tune_malloc
-from flashpage.engine import prompt_logprobs
+from flashpage.engine import prompt_logprobs, spec_grammar
 from flashpage.engine.compiled import CompiledDecode, CompiledStep
-from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, load_tp_model, step_digest, tp_info
+from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, step_digest, tp_info
 from flashpage.engine.flat import FlatDecoder
 from flashpage.engine.generation_config import ModelProcessors, config_diff, sampling_defaults, unapplied_fields
 from flashpage.engine.generation_config import check_mode as check_generation_mode
 from flashpage.engine.limits import context_overflow
 from flashpage.engine.linears import Prepacked, check_prepack_mode
+from flashpage.engine.loading import as_device, as_dtype, check_device, load_model
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.positions import EnginePositions
@@ -39,6 +41,8 @@ from flashpage.engine.sampler import Sampler
 from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
 from flashpage.engine.sequence import Group, Seq
 from flashpage.engine.sizing import KVSizing, plan_kv_pool, pool_warning
+from flashpage.engine.spec import SpeculativeConfig, Speculator, check_spec_support
+from flashpage.engine.spec_verify import record_logprobs, verify
 from flashpage.engine.states import StateSlots, recurrent_states_of, restart_from_scratch
 from flashpage.engine.structured import GrammarEngine, StructuredOutputsParams
 from flashpage.engine.weights import WeightWatcher, forget_kv
@@ -48,7 +52,8 @@ from flashpage.patches.checks import engine_refusal_reason
 from flashpage.patches.compat import require_supported_transformers
 from flashpage.patches.patching import UnsupportedModelError, patch_state
 
-Prompt = str | Sequence[int]
+# a text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
+Prompt = str | Sequence[int] | Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,10 @@ class EngineStats:
     state_bytes_per_seq: int = 0  # recurrent / linear-attention state bytes per sequence (hybrid models)
     state_bytes: int = 0  # the state slots allocated (all sequences)
     flat_steps: int = 0  # eager steps that ran as the flat loop (engine/flat.py; LLM.flat_step says why not)
+    spec_proposed_tokens: int = 0  # speculative decoding: proposed tokens verified
+    spec_accepted_tokens: int = 0  # ... of which accepted
+    spec_verifications: int = 0  # ... verified proposals (one per sequence and step)
+    spec_mean_acceptance_length: float = 0.0  # tokens per verified sequence-step (1 + accepted on average)
 
     @property
     def output_tokens_per_second(self) -> float:
@@ -111,7 +120,7 @@ class LLM:
             (see :func:`flashpage.engine.compiled.default_compile`); off under tensor parallelism.
         tensor_parallel_size: under ``torchrun``, load a path sharded over this many ranks
             (``tp_plan="auto"``; every rank builds its LLM); with a model object, checked against the
-            model's own sharding. See README "Tensor parallel".
+            model's own sharding. See docs/tensor-parallel.md.
         generation_config: ``"auto"`` (default, as vLLM): requests given no SamplingParams take the model's
             generation_config sampling defaults (:meth:`get_default_sampling_params`), and its processors
             (``forced_eos_token_id``, ``suppress_tokens``, ``begin_suppress_tokens``, ``forced_bos_token_id``,
@@ -121,6 +130,10 @@ class LLM:
             the same input (q/k/v, gate/up) stacked into one GEMM (``engine/linears.py``). ``"auto"``
             (default): when the copies take <= 25% of available memory (``FLASHPAGE_CPU_PREPACK=0`` turns
             it off, ``=1`` on); True / False: always / never. Repacked when the weights change.
+        speculative_config: speculative decoding (engine/spec.py), vLLM's keys: ``{"method": "ngram",
+            "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m,
+            "disable_by_batch_size": b}``, or a draft model ``{"model": PATH_OR_MODEL, "num_speculative_tokens": k}``
+            (engine/spec_draft.py); outputs keep the target model's distribution (greedy: its tokens).
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, block_size: int | None = None,
@@ -130,13 +143,16 @@ class LLM:
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  check_invariants: bool = False, compile: bool | None = None,
                  max_prefill_with_decodes: int | None = None, tensor_parallel_size: int | None = None,
-                 generation_config: str = "auto", cpu_prepack: bool | str = "auto") -> None:
+                 generation_config: str = "auto", cpu_prepack: bool | str = "auto",
+                 speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None) -> None:
         require_supported_transformers()  # before loading anything: say at once why not
         check_device(device)
+        spec_config = SpeculativeConfig.parse(speculative_config)
         generation_config = check_generation_mode(generation_config)
         cpu_prepack = check_prepack_mode(cpu_prepack)
         if isinstance(model, (str, os.PathLike)):
-            model, tokenizer = _load(model, tokenizer, dtype, device, tensor_parallel_size)
+            model, tokenizer = load_model(model, dtype=dtype, device=device, tokenizer=tokenizer,
+                                          tensor_parallel_size=tensor_parallel_size, label=f"LLM({os.fspath(model)!r})")
         else:
             _check_model_placement(model, dtype, device)
             if tensor_parallel_size is not None:
@@ -155,11 +171,18 @@ class LLM:
                              kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                              enable_prefix_caching=enable_prefix_caching and states is None)
+            check_spec_support(spec_config, self.model, states is not None, self._tp is not None)
         except BaseException:  # leave the model as it was given
             if not was_patched:
                 unpatch(self.model)
             raise
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_prefill_with_decodes)
+        try:
+            self._spec = self._build_speculator(spec_config, max_num_seqs) if spec_config is not None else None
+        except BaseException:  # a draft model that cannot run: leave the model as it was given
+            if not was_patched:
+                unpatch(self.model)
+            raise
         self.sampler = Sampler(_eos_ids(self.model, tokenizer),
                                sync=self._tp.same_tokens if self._tp is not None else None)
         self._default_params = self._generation_defaults(generation_config)
@@ -190,6 +213,15 @@ class LLM:
         config = self.model.config.get_text_config(decoder=True)
         self.vocab_size = int(config.vocab_size)
         return state, config, recurrent_states_of(self.model, new_probe_cache(self.model))
+
+    def _build_speculator(self, config: SpeculativeConfig, max_num_seqs: int) -> Speculator:
+        """Speculative decoding's proposer (engine/spec.py); a draft model gets its own LLM (engine/spec_draft.py)."""
+        draft = None
+        if config.model is not None:
+            from flashpage.engine.spec_draft import DraftProposer, build_draft
+
+            draft = DraftProposer(build_draft(config.model, self, max_num_seqs), self.vocab_size)
+        return Speculator(config, self.device.type, draft)
 
     def _build_pool(self, config: Any, *, block_size: int | None,
                     num_blocks: int | None, kv_cache_memory: int | None, gpu_memory_utilization: float,
@@ -393,7 +425,15 @@ class LLM:
                            kv_bytes_per_token=self.sizing.bytes_per_token,
                            state_bytes_per_seq=self._states.bytes_per_sequence() if self._states is not None else 0,
                            state_bytes=self._states.allocated_bytes() if self._states is not None else 0,
-                           flat_steps=self.runner.flat_steps)
+                           flat_steps=self.runner.flat_steps, **self._spec_stats())
+
+    def _spec_stats(self) -> dict[str, Any]:
+        """EngineStats' speculative-decoding fields (zeros without speculation)."""
+        if self._spec is None:
+            return {}
+        c = self._spec.counters
+        return {"spec_proposed_tokens": c.proposed, "spec_accepted_tokens": c.accepted,
+                "spec_verifications": c.verifications, "spec_mean_acceptance_length": c.mean_acceptance_length}
 
     # -------------------------------------------------------- batch helpers
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -543,6 +583,8 @@ class LLM:
             self._tp.note_add(NewRequest(group.request_id, group.prompt, group.prompt_token_ids, group.params))
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping):
+            prompt = _from_input_dict(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: LLM(model, tokenizer) or pass token ids")
@@ -590,7 +632,9 @@ class LLM:
             self._tp_inputs()
             if self._tp.stopped:  # a follower released by rank 0: no step
                 return []
-        schedule = self.scheduler.schedule()
+        proposals = self._spec.propose(self.scheduler.running, self._grammar_check()) \
+            if self._spec is not None else None
+        schedule = self.scheduler.schedule(proposals)
         # which requests this step computes: if it raises, a server fails those (and only those)
         self.step_request_ids = tuple(dict.fromkeys(c.seq.group.request_id for c in schedule.chunks))
         if self._tp is not None:
@@ -604,10 +648,12 @@ class LLM:
         prompt_rows = prompt_logprobs.plan_rows(schedule.chunks)
         logits = self.runner.run(schedule, prompt_rows.flat)
         try:
+            num_rows = sum(c.num_emitting_rows for c in emitting)
             if prompt_rows:  # kept after the emitting chunks' rows
-                prompt_logprobs.record(prompt_rows, logits[len(emitting):])
-                logits = logits[:len(emitting)]
-            touched = self._postprocess(emitting, logits)
+                prompt_logprobs.record(prompt_rows, logits[num_rows:])
+                logits = logits[:num_rows]
+            touched = self._postprocess_spec(emitting, logits) if any(c.draft for c in emitting) \
+                else self._postprocess(emitting, logits)
         except BaseException:
             self._unsample()
             raise
@@ -667,6 +713,51 @@ class LLM:
         self._counters["generated"] += len(tokens)
         return list(touched.values())
 
+    def _postprocess_spec(self, emitting: list[Chunk], logits: torch.Tensor) -> list[Group]:
+        """A step with verification chunks: the plain emitting chunks sample as usual (``_postprocess``), each
+        verification chunk keeps its accepted proposed tokens and one more (engine/spec_verify.py)."""
+        starts = list(itertools.accumulate((c.num_emitting_rows for c in emitting), initial=0))
+        plain = [i for i, c in enumerate(emitting) if not c.draft]
+        spec = [i for i, c in enumerate(emitting) if c.draft]
+        spec_rows = [r for i in spec for r in range(starts[i], starts[i + 1])]
+        seqs, drafts = [emitting[i].seq for i in spec], [emitting[i].draft for i in spec]
+        spec_logits = logits[spec_rows]
+        if self._grammar is not None:  # structured outputs: each verified row masked by its grammar state
+            spec_logits = spec_grammar.mask_rows(self._grammar, spec_logits, seqs, drafts)
+        verdicts = verify(self.sampler, spec_logits, seqs, drafts)
+        touched = {g.request_id: g for g in self._postprocess([emitting[i] for i in plain],
+                                                              logits[[starts[i] for i in plain]])}
+        now = time.perf_counter()
+        for i, verdict in zip(spec, verdicts, strict=True):
+            group = self._accept_verdict(emitting[i], verdict, spec_logits, now)
+            touched[group.request_id] = group
+        return list(touched.values())
+
+    def _grammar_check(self) -> Any:
+        """What cuts a grammar-constrained proposal to its grammar's valid prefix (None: no grammar engine yet)."""
+        if self._grammar is None:
+            return None
+        return functools.partial(spec_grammar.valid_prefix, self._grammar)
+
+    def _accept_verdict(self, chunk: Chunk, verdict: Any, logits: torch.Tensor, now: float) -> Group:
+        """Keep a verification chunk's accepted tokens: the cache is cut after them (rejected tokens' blocks
+        leave the prefix cache), then its tokens are appended one by one until the sequence finishes."""
+        seq = chunk.seq
+        assert self._spec is not None
+        seq.num_computed += verdict.accepted  # the runner counted the sequence's own token only
+        if self.kv.num_tokens(seq.seq_id) > seq.num_computed:
+            self.kv.truncate(seq.seq_id, seq.num_computed, invalidate=True)
+        appended = 0
+        for token in verdict.tokens:
+            self._append_token(seq, token, now)
+            appended += 1
+            if seq.finished:
+                break
+        record_logprobs(logits, seq, verdict.tokens[:appended], verdict.rows[:appended])
+        self._counters["generated"] += appended
+        self._spec.observe(seq, len(chunk.draft), verdict.accepted, appended)
+        return seq.group
+
     def _unsample(self) -> None:
         """After a failure between the forward and the sampled tokens: a running sequence whose
         logits were computed but turned into no token gives back its last computed token, so the
@@ -677,7 +768,8 @@ class LLM:
                     restart_from_scratch([seq], self.kv, self._states)
                     continue
                 seq.num_computed -= 1
-                self.kv.truncate(seq.seq_id, seq.num_computed)
+                drafts = self.kv.num_tokens(seq.seq_id) > seq.num_computed + 1  # a verification chunk's proposals
+                self.kv.truncate(seq.seq_id, seq.num_computed, invalidate=drafts)
 
     def _fork_samples(self, seq: Seq) -> list[Seq]:
         group = seq.group
@@ -727,6 +819,8 @@ class LLM:
 
     def _finish_seq(self, seq: Seq, reason: str) -> None:
         self.scheduler.remove(seq)
+        if self._spec is not None:  # a draft model's shadow of it is freed
+            self._spec.forget(seq)
         if self._states is not None:
             self._states.release(seq.seq_id)
         seq.mark_finished(reason)
@@ -775,8 +869,21 @@ def _stream_deltas(group: Group) -> Iterator[StreamOutput]:
             yield StreamOutput(group.request_id, seq.index, new_ids, text, seq.finished, seq.finish_reason)
 
 
+def _from_input_dict(prompt: Mapping[str, Any]) -> str | list[int]:
+    """vLLM's input form: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``; images are refused by name."""
+    if "multi_modal_data" in prompt or "mm_processor_kwargs" in prompt:
+        raise ValueError("LLM takes no images (multi_modal_data) yet: run the model with flashpage.patch(model) and "
+                         "model.generate(**processor(images=..., text=..., return_tensors='pt')), which is exact on "
+                         "the pages for the vision-language models flashpage supports (docs/models.md)")
+    unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+    if unknown or len(prompt) != 1:
+        raise ValueError(f"a prompt dict takes exactly one of 'prompt' (text) or 'prompt_token_ids' (a list of ints), "
+                         f"got keys {sorted(map(str, prompt))}")
+    return prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+
+
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if isinstance(prompts, torch.Tensor):
         return [prompts.tolist()] if prompts.dim() == 1 else [p.tolist() for p in prompts]
@@ -809,22 +916,6 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return [int(t) for t in ids if t is not None]
 
 
-def _load(path: str | os.PathLike, tokenizer: Any, dtype: torch.dtype | None, device: Any,
-          tensor_parallel_size: int | None = None) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    _check_model_path(path)
-    if tensor_parallel_size is not None and tensor_parallel_size != 1:
-        model = load_tp_model(path, dtype or "auto", tensor_parallel_size, device)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto")
-    if device is not None:
-        model = model.to(device)
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
-
-
 ALLOW_LONG_MAX_MODEL_LEN = "FLASHPAGE_ALLOW_LONG_MAX_MODEL_LEN"
 
 
@@ -844,69 +935,21 @@ def _check_max_model_len(max_model_len: int | None, positions: int | None) -> No
                      "handles longer sequences (e.g. rope scaling its config does not show)")
 
 
-def _as_device(device: str | torch.device) -> torch.device:
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device={device!r} is not a device torch knows: give e.g. 'cpu', 'cuda' or 'cuda:1' "
-                         f"({exc})") from None
-
-
-def check_device(device: str | torch.device | None) -> None:
-    """A CUDA device on a torch without CUDA (or without a visible GPU): say so before loading anything."""
-    if device is None:
-        return
-    want = _as_device(device)
-    if want.type == "cuda" and not torch.cuda.is_available():
-        why = "a CPU-only build" if torch.version.cuda is None else "no GPU is visible (CUDA_VISIBLE_DEVICES?)"
-        raise ValueError(f"device={str(device)!r}, but CUDA is not available: torch {torch.__version__} is {why}. "
-                         "Install a CUDA build of torch (https://pytorch.org/get-started/locally/) or use "
-                         "device='cpu'")
-    if want.type == "cuda" and want.index is not None and want.index >= torch.cuda.device_count():
-        raise ValueError(f"device={str(device)!r}, but this machine has {torch.cuda.device_count()} CUDA "
-                         "device(s)")
-
-
-def _as_dtype(dtype: torch.dtype | str) -> torch.dtype | None:
-    """A torch dtype from a dtype or its name ("bfloat16", "torch.float16"); None for "auto"."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    if name == "auto":
-        return None
-    value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"dtype={dtype!r} is not a torch dtype: give e.g. 'float32', 'float16' or 'bfloat16'")
-    return value
-
-
 def _check_model_placement(model: Any, dtype: torch.dtype | str | None, device: str | torch.device | None) -> None:
     """LLM(model_object, dtype=..., device=...): the model is used as given, so a dtype or device it is
     not in is refused (converting the caller's model in place would surprise); equal ones are fine."""
     param = next(model.parameters(), None) if hasattr(model, "parameters") else None
     if param is None:
         return
-    want_dtype = _as_dtype(dtype) if dtype is not None else None
+    want_dtype = as_dtype(dtype)
     if want_dtype is not None and want_dtype != param.dtype:
         raise ValueError(f"LLM(model, dtype={dtype!r}): the model object is {param.dtype}, and LLM uses a model "
                          f"object as it is. Convert it first (model.to({want_dtype})) or pass a path, which LLM "
                          "loads in that dtype")
     if device is not None:
-        want = _as_device(device)
+        want = as_device(device)
         here = param.device
         if want.type != here.type or (want.index is not None and here.index is not None and want.index != here.index):
             raise ValueError(f"LLM(model, device={str(device)!r}): the model object is on {here}, and LLM uses a "
                              f"model object where it is. Move it first (model.to({str(want)!r})) or pass a path, "
                              "which LLM loads onto that device")
-
-
-def _check_model_path(path: str | os.PathLike) -> None:
-    """Refuse a local path that is not a checkpoint directory (from_pretrained's own errors are obscure)."""
-    local = os.path.expanduser(os.fspath(path))
-    if os.path.isfile(local):
-        raise ValueError(f"LLM({os.fspath(path)!r}): that is a file, not a model; give the checkpoint directory "
-                         f"that holds config.json and the weights (e.g. LLM({os.path.dirname(local) or '.'!r})) "
-                         "or a hub id")
-    looks_local = isinstance(path, os.PathLike) or os.fspath(path).startswith((".", "/", "~"))
-    if looks_local and not os.path.isdir(local):
-        raise ValueError(f"LLM({os.fspath(path)!r}): no such directory; give a local checkpoint directory or a hub id")

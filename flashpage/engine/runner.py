@@ -70,15 +70,16 @@ def new_probe_cache(model: Any) -> HFPagedCache:
 
 
 def step_inputs(schedule: Schedule, extra_rows: Sequence[int] = ()) -> tuple[list[int], list[int], list[int]]:
-    """The packed step's token ids (T), positions (T) and the kept rows (each emitting chunk's last row,
-    then ``extra_rows``)."""
+    """The packed step's token ids (T), positions (T) and the kept rows (each emitting chunk's last row, or
+    its last ``1 + len(draft)`` rows for a verification chunk, then ``extra_rows``)."""
     ids: list[int] = []
     pos: list[int] = []
     for c in schedule.chunks:
         ids.extend(c.token_ids)
         pos.extend(range(c.start, c.start + c.num_tokens))
     ends = list(itertools.accumulate(c.num_tokens for c in schedule.chunks))
-    keep = [e - 1 for c, e in zip(schedule.chunks, ends, strict=True) if c.emits] + list(extra_rows)
+    keep = [r for c, e in zip(schedule.chunks, ends, strict=True) for r in range(e - c.num_emitting_rows, e)]
+    keep.extend(extra_rows)
     return ids, pos, keep
 
 
@@ -190,9 +191,10 @@ class ModelRunner:
         self.flat_step = self._build_flat()
 
     def run(self, schedule: Schedule, extra_rows: Sequence[int] = ()) -> torch.Tensor:
-        """One step's forward. Logits (len(emitting) + len(extra_rows), vocab): each emitting chunk's last
-        row, then the packed rows ``extra_rows`` (prompt logprobs). Every chunk's ``seq.num_computed`` is
-        advanced; on failure the schedule is rolled back and the error re-raised."""
+        """One step's forward. Logits (emitting rows + len(extra_rows), vocab): each emitting chunk's last
+        row (a verification chunk's last 1 + len(draft) rows), then the packed rows ``extra_rows`` (prompt
+        logprobs). Every chunk's ``seq.num_computed`` is advanced (past its own tokens, not its proposed
+        ones); on failure the schedule is rolled back and the error re-raised."""
         chunks = schedule.chunks
         ids, pos, keep = step_inputs(schedule, extra_rows)
         if self.states is not None:
@@ -221,8 +223,8 @@ class ModelRunner:
             self._cache.end_forward(ok=False)
             self._rollback(schedule)  # give back this step's slots: the cache is as before
             raise
-        for c in chunks:
-            c.seq.num_computed = c.start + c.num_tokens
+        for c in chunks:  # a verification chunk's proposed tokens count once accepted (LLM._postprocess_spec)
+            c.seq.num_computed = c.start + c.num_tokens - len(c.draft)
         return logits
 
     def states_after(self, parts: list[list[int]]) -> dict:

@@ -14,6 +14,7 @@ queue with its output so far intact.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from flashpage.cache import PagedKVCache
@@ -23,21 +24,32 @@ from flashpage.engine.sequence import Seq, SeqStatus
 
 @dataclass
 class Chunk:
-    """``num_tokens`` tokens of ``seq`` starting at ``start``, computed this step into ``slots``."""
+    """``num_tokens`` tokens of ``seq`` starting at ``start``, computed this step into ``slots``.
+
+    A verification chunk (speculative decoding, ``engine/spec.py``) ends with ``draft``: proposed tokens that
+    are not (yet) the sequence's; its last ``1 + len(draft)`` rows all emit logits."""
 
     seq: Seq
     start: int
     num_tokens: int
     slots: list[int]
     admitted: bool = False  # the sequence entered the running set in this step
+    draft: list[int] = field(default_factory=list)  # proposed tokens computed after the sequence's own
 
     @property
     def emits(self) -> bool:
         """This chunk reaches the end of the sequence: its last logits give the next token."""
-        return self.start + self.num_tokens == len(self.seq.token_ids)
+        return self.start + self.num_tokens - len(self.draft) == len(self.seq.token_ids)
+
+    @property
+    def num_emitting_rows(self) -> int:
+        """Logits rows this chunk yields: 1 + len(draft) when it emits, else 0."""
+        return 1 + len(self.draft) if self.emits else 0
 
     @property
     def token_ids(self) -> list[int]:
+        if self.draft:
+            return self.seq.token_ids[self.start:] + self.draft
         return self.seq.token_ids[self.start:self.start + self.num_tokens]
 
 
@@ -107,10 +119,12 @@ class Scheduler:
                 self.waiting.appendleft(seq)
 
     # --------------------------------------------------------------- schedule
-    def schedule(self) -> Schedule:
+    def schedule(self, proposals: Mapping[int, list[int]] | None = None) -> Schedule:
+        """The next step. ``proposals`` (seq_id -> proposed tokens, speculative decoding) are appended to those
+        sequences' decode chunks where the budget and the pool allow without preempting anyone."""
         out = Schedule()
         try:
-            self._schedule(out)
+            self._schedule(out, proposals or {})
         except BaseException:
             # an allocation failed (or an interrupt arrived) halfway: give back this step's slots, and
             # the prefix hits of an admission cut short, so the queues and the cache agree again
@@ -122,12 +136,12 @@ class Scheduler:
             raise
         return out
 
-    def _schedule(self, out: Schedule) -> None:
+    def _schedule(self, out: Schedule, proposals: Mapping[int, list[int]]) -> None:
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
         decodes = [s for s in self.running if s.remaining == 1]
         prefills = [s for s in self.running if s.remaining > 1]
-        for seq in decodes + prefills:
+        for i, seq in enumerate(decodes + prefills):
             if seq.status is not SeqStatus.RUNNING or budget <= 0:
                 continue
             if seq.remaining > 1 and decodes and out.chunks:  # prefill after decodes: keep the step short
@@ -135,24 +149,40 @@ class Scheduler:
                 if budget <= 0:
                     break
             n = min(seq.remaining, budget)
+            draft = self._draft(seq, proposals.get(seq.seq_id), budget, len(decodes) - i - 1)
             if not self._make_room(seq, n, scheduled, out):
                 continue
-            out.chunks.append(self._allocate(seq, n))
+            out.chunks.append(self._allocate(seq, n, draft=draft))
             scheduled.add(seq.seq_id)
-            budget -= n
+            budget -= n + len(draft)
         if not out.preempted:
-            if any(c.num_tokens == 1 for c in out.chunks):
+            if any(c.num_tokens - len(c.draft) == 1 for c in out.chunks):
                 budget = min(budget, self.max_prefill_with_decodes - self._prefill_tokens(out))
             self._admit(out, budget)
 
     @staticmethod
     def _prefill_tokens(out: Schedule) -> int:
-        return sum(c.num_tokens for c in out.chunks if c.num_tokens > 1)
+        return sum(c.num_tokens for c in out.chunks if c.num_tokens - len(c.draft) > 1)
 
-    def _allocate(self, seq: Seq, n: int, admitted: bool = False) -> Chunk:
+    def _draft(self, seq: Seq, proposal: list[int] | None, budget: int, decodes_after: int) -> list[int]:
+        """The part of ``proposal`` a decode of ``seq`` carries: within the budget left after one token for
+        each decode still to schedule, and within the free blocks left after one for each of them (a
+        proposal never makes anyone wait or be preempted)."""
+        if not proposal or seq.remaining != 1:
+            return []
+        draft = list(proposal[:max(0, budget - 1 - decodes_after)])
+        while draft and self.kv.blocks.blocks_needed(seq.seq_id, 1 + len(draft)) + decodes_after \
+                > self.kv.blocks.num_free_blocks:
+            draft.pop()
+        return draft
+
+    def _allocate(self, seq: Seq, n: int, admitted: bool = False, draft: list[int] | None = None) -> Chunk:
+        """Slots for ``n`` of ``seq``'s tokens from ``num_computed`` (and its proposed tokens ``draft`` after
+        them: their full blocks are keyed for the prefix cache now and unkeyed if they are rejected)."""
         start = seq.num_computed
-        slots = self.kv.blocks.append(seq.seq_id, n, seq.token_ids[start:start + n])
-        return Chunk(seq, start, n, slots, admitted)
+        draft = draft or []
+        slots = self.kv.blocks.append(seq.seq_id, n + len(draft), seq.token_ids[start:start + n] + draft)
+        return Chunk(seq, start, n + len(draft), slots, admitted, draft)
 
     def _fits(self, seq: Seq, n: int) -> bool:
         return self.kv.blocks.blocks_needed(seq.seq_id, n) <= self.kv.blocks.num_free_blocks

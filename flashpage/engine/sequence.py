@@ -45,6 +45,7 @@ class Seq:
     final_streamed: bool = False
     in_cache: bool = False
     grammar: Any = None  # structured outputs: this sample's SeqGrammar (flashpage.engine.structured)
+    spec: Any = None  # speculative decoding: this sample's SeqSpec (flashpage.engine.spec), made on first use
     _generator: torch.Generator | None = field(default=None, repr=False)
 
     def generator(self, device: torch.device) -> torch.Generator | None:

@@ -134,7 +134,18 @@ def _decide(call: _Call) -> tuple[BackendChoice, ModuleType | None]:
         return BackendChoice(key, f"{key}: {detail}"), mod
     # flash-attn 2's reason first: it is the one most users install
     ordered = [reasons[key] for key in ("fa2", "fa3", "fa4") if reasons.get(key)]
-    return BackendChoice("reference", "reference: " + "; ".join(ordered)), None
+    return BackendChoice("reference", _fallback_label(call) + "; ".join(ordered)), None
+
+
+def _fallback_label(call: _Call) -> str:
+    """How the non-flash-attn path runs ``call``: paged CPU attention of the C++ kernel's dtypes (no ALiBi) runs
+    that kernel inside the reference entry point, so say so rather than "reference"."""
+    paged_cpu = call.device.type == "cpu" and call.block_size is not None and not call.alibi
+    if paged_cpu and call.dtype in cpu_attention.DTYPES:
+        state = cpu_attention.status()
+        if state.name == "cpp":
+            return "cpp: fused C++ paged-attention kernel (the PyTorch reference for what it does not take); "
+    return "reference: "
 
 
 def explain(

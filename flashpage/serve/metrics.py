@@ -51,6 +51,12 @@ class _EngineCollector(Collector):
             "flashpage_generation_tokens": ("Tokens generated.", s.generated_tokens),
             "flashpage_engine_steps": ("Engine steps (packed forwards).", s.steps),
             "flashpage_engine_restarts": ("Engine processes started to replace one that died.", self._restarts()),
+            # speculative decoding (vLLM's spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens)
+            "flashpage_spec_decode_num_drafts": ("Speculative proposals verified (one per sequence and step).",
+                                                 s.spec_verifications),
+            "flashpage_spec_decode_num_draft_tokens": ("Speculative tokens proposed and verified.",
+                                                       s.spec_proposed_tokens),
+            "flashpage_spec_decode_num_accepted_tokens": ("Speculative tokens accepted.", s.spec_accepted_tokens),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -29,10 +29,10 @@ from typing import Any
 
 import uvicorn
 
+from flashpage.engine.loading import TINY_MODEL_NAME
 from flashpage.serve.async_engine import AsyncLLM
 from flashpage.serve.engine_process import EngineProcess, EngineSpec
 
-TINY_MODEL_NAME = "flashpage-tiny"
 DEFAULT_MAX_ENGINE_RESTARTS = 3  # --max-engine-restarts: engine processes started to replace dead ones, at most
 ENGINE_DIED_EXIT_CODE = 1  # the exit code once the engine died with no restart left
 
@@ -126,14 +126,12 @@ def read_chat_template(path: str | None) -> str | None:
 def build_llm(model_name: str | None, engine: dict[str, Any]) -> Any:
     """The :class:`~flashpage.LLM` ``flashpage serve`` runs: the model (``dtype`` and ``device`` taken from
     ``engine``, the rest are LLM keyword arguments)."""
-    from flashpage.commands import load_model
-    from flashpage.engine import LLM
+    from flashpage.engine import LLM, loading
 
     engine = dict(engine)
-    model, tokenizer = load_model(model_name, **_dtype(engine.pop("dtype", None)))
-    device = engine.pop("device", None)
-    if device is not None:
-        model = model.to(device)
+    dtype = _dtype(engine.pop("dtype", None)).get("dtype")
+    model, tokenizer = loading.load_model(model_name, dtype=dtype, device=engine.pop("device", None),
+                                          label=f"--model {model_name}")
     return LLM(model, tokenizer, **engine)
 
 

@@ -107,19 +107,12 @@ def _init_process_group() -> None:
 
 
 def _build_llm(options: ServeOptions, size: int) -> Any:
-    from transformers import AutoTokenizer
-
-    import flashpage
-    from flashpage.engine import LLM
-    from flashpage.engine.distributed import load_tp_model
+    from flashpage.engine import LLM, loading
     from flashpage.serve.server import _dtype
 
     engine = dict(options.engine)
     engine.pop("device", None)
-    dtype = _dtype(engine.pop("dtype", None)).get("dtype", torch.float32)
-    path = options.model or flashpage.tiny_model_path()
-    model = load_tp_model(path, dtype, size)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    dtype = _dtype(engine.pop("dtype", None)).get("dtype")
+    model, tokenizer = loading.load_model(options.model, dtype=dtype, tensor_parallel_size=size,
+                                          label=f"--model {options.model}")
     return LLM(model, tokenizer, **engine)

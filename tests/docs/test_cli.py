@@ -105,7 +105,7 @@ def test_info_names_entry_points_and_reasons(capsys: pytest.CaptureFixture[str])
         assert lines, f"`flashpage info` does not mention {entry}"
         for line in lines:
             backend, _, reason = line.partition("-> ")[2].partition(": ")
-            assert backend in ("fa3", "fa2", "reference", "torch") and reason.strip(), line
+            assert backend in ("fa3", "fa2", "fa4", "cpp", "reference", "torch") and reason.strip(), line
 
     code, out, _ = _run(capsys, "info", "--json")
     assert code == 0
@@ -115,9 +115,11 @@ def test_info_names_entry_points_and_reasons(capsys: pytest.CaptureFixture[str])
     assert set(cpu) == set(ENTRY_POINTS)
     for k in info["kernels"]:
         assert k["reason"].startswith(f"{k['backend']}: ") and len(k["reason"]) > len(k["backend"]) + 5, k
-    # flash-attn never runs on a CPU: the reason says why the reference does
+    # flash-attn never runs on a CPU: the reason says why the C++ kernel (or the reference) does
+    from flashpage.kernels import cpu_attention
+
     for entry in ("flash_attn_with_kvcache", "flash_attn_varlen_func"):
-        assert cpu[entry]["backend"] == "reference"
+        assert cpu[entry]["backend"] == ("cpp" if cpu_attention.status().name == "cpp" else "reference")
         assert "flash-attn" in cpu[entry]["reason"]
 
 
@@ -182,7 +184,10 @@ def test_bench_kernels_quick_json_and_plot(capsys: pytest.CaptureFixture[str], t
     assert result["outputs_agree"] is True
     assert result["num_seqs"] == 32 and result["max_len"] == 512
     assert result["paged_ms"] > 0 and result["dense_sdpa_ms"] > 0
-    assert result["paged_backend"].startswith("reference: ")
+    from flashpage.kernels import cpu_attention
+
+    label = "cpp: " if cpu_attention.status().name == "cpp" else "reference: "  # what actually runs, named
+    assert result["paged_backend"].startswith(label)
     _png(plot)
     assert str(plot) in err
 
@@ -268,7 +273,7 @@ def _must_not_load(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a model was loaded although the command should have stopped first")
 
-    monkeypatch.setattr("flashpage.commands.load_model", refuse)
+    monkeypatch.setattr("flashpage.engine.loading.load_model", refuse)
     monkeypatch.setattr("flashpage.tiny.load_tiny_model", refuse)
     monkeypatch.setattr("flashpage.bench.models.load_bench_model", refuse)
 
@@ -394,7 +399,7 @@ def test_served_name_of_the_builtin_model_loads_it(monkeypatch: pytest.MonkeyPat
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
-    model, tok = commands.load_model(commands.TINY_MODEL_NAME)
+    model, tok = commands.load_model("flashpage-tiny")
     assert asked == [tiny_model_path()] and model.config.model_type == "llama" and tok.pad_token_id is not None
 
 
@@ -432,9 +437,9 @@ def test_readme_cli_synopsis_names_only_real_options() -> None:
         action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         return dict(action.choices)
 
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    synopsis = re.search(r"## CLI\n\n```\n(.*?)```", readme, re.S)
-    assert synopsis, "README.md has no CLI synopsis block"
+    readme = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    synopsis = re.search(r"# CLI\n\n```\n(.*?)```", readme, re.S)
+    assert synopsis, "docs/cli.md has no CLI synopsis block"
     parser = build_parser()
     commands = subparsers(parser)
     lines = [ln.split("#")[0].split() for ln in synopsis.group(1).splitlines() if ln.startswith("flashpage")]

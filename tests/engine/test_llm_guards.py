@@ -12,9 +12,9 @@ from collections import Counter
 
 import pytest
 import torch
+from model_zoo import tiny_model
 
 from flashpage import LLM, SamplingParams
-from model_zoo import tiny_model
 
 POSITIONS = 256  # max_position_embeddings of model_zoo's llama
 
@@ -113,9 +113,22 @@ def test_max_model_len_beyond_the_positions(monkeypatch: pytest.MonkeyPatch) -> 
         assert LLM(model, max_model_len=POSITIONS + 8, num_blocks=8).max_model_len == POSITIONS + 8
 
 
-@pytest.mark.parametrize("prompt", [None, 3.5, {"prompt": "x"}, b"bytes"])
+@pytest.mark.parametrize("prompt", [None, 3.5, b"bytes"])
 def test_a_prompt_that_is_neither_text_nor_token_ids(prompt: object) -> None:
     llm = LLM(tiny_model("llama"), num_blocks=16)
     with pytest.raises(TypeError, match="a prompt must be a text .* or a list of token ids"):
         llm.generate([[3, 5], prompt], use_tqdm=False)  # type: ignore[list-item]
+    assert not llm.has_unfinished_requests()  # the good prompt before it was not queued either
+
+
+def test_vllm_prompt_dicts_and_images_refused_by_name() -> None:
+    llm = LLM(tiny_model("llama"), num_blocks=16)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    plain = llm.generate([[3, 5, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    as_dict = llm.generate({"prompt_token_ids": [3, 5, 7]}, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert as_dict == plain and len(plain) == 4
+    with pytest.raises(ValueError, match=r"LLM takes no images \(multi_modal_data\) yet: .*flashpage.patch\(model\)"):
+        llm.generate([[3, 5], {"prompt_token_ids": [3], "multi_modal_data": {"image": object()}}], use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one of 'prompt' .* or 'prompt_token_ids'"):
+        llm.generate([{"prompt_ids": [3]}], use_tqdm=False)
     assert not llm.has_unfinished_requests()  # the good prompt before it was not queued either

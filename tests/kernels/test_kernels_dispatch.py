@@ -193,7 +193,8 @@ def test_ineligible_inputs_fall_back_with_reason():
     for entry in ("flash_attn_with_kvcache", "flash_attn_varlen_func"):
         assert info16[entry] == dispatch.BackendChoice(
             "reference",
-            "reference: block_size 16 not supported by flash-attn 2 (needs a multiple of 256); "
+            "cpp: fused C++ paged-attention kernel (the PyTorch reference for what it does not take); "
+            "block_size 16 not supported by flash-attn 2 (needs a multiple of 256); "
             "use block_size=256 or install flash-attn 3",
         )
         assert info32[entry].name == "reference" and "dtype float32 not supported" in info32[entry].reason

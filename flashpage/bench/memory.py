@@ -1,0 +1,240 @@
+"""``flashpage bench memory``: peak resident memory of running one model, side by side.
+
+Each case runs in a fresh process (so one case's allocations never count for another) that loads the
+checkpoint with ``from_pretrained`` as a user would and runs the same greedy requests:
+
+- ``transformers``: unpatched batched ``generate()`` (its dynamic cache), the floor to compare with;
+- ``flashpage-generate``: ``flashpage.patch(model)`` and the same ``generate()`` on the paged cache;
+- ``flashpage-llm``: ``flashpage.LLM(path)`` with a KV pool of ``--kv-cache-memory`` bytes;
+- ``vllm`` (``--vllm-python PATH``): vLLM's offline ``LLM`` with the same pool, in its own interpreter
+  (``bench/vllm_runner.py``).
+
+The parent samples the resident set of each case's whole process tree (vLLM starts an engine process)
+every 20 ms and reports its peak, beside the checkpoint's weight bytes and the KV pool, and
+``overhead = peak - weights - pool`` (the interpreter, imports, activations and allocator slack
+included). The model is a saved real-shape checkpoint (``--model-shape``, default Qwen3-0.6B's config)
+or ``--model PATH``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+CASES = ("transformers", "flashpage-generate", "flashpage-llm")
+POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class MemoryWorkload:
+    """The requests every case runs: greedy, EOS ignored (token ids drawn from the vocabulary, seed 0)."""
+
+    num_requests: int = 8
+    prompt_len: int = 128
+    max_tokens: int = 32
+    kv_cache_memory: int = 256 << 20
+    block_size: int = 16
+
+    def prompts(self, vocab_size: int) -> list[list[int]]:
+        import random
+
+        rng = random.Random(0)
+        return [[rng.randrange(10, vocab_size) for _ in range(self.prompt_len - 4 * i)]
+                for i in range(self.num_requests)]
+
+
+@dataclass
+class CaseResult:
+    case: str
+    peak: int  # bytes: the largest resident set of the case's process tree seen
+    pool: int  # bytes of KV the case reserved (0: transformers' dynamic cache, counted in the peak)
+    seconds: float
+    tokens: list[list[int]]
+    error: str = ""
+
+
+# ---------------------------------------------------------------------------------------------- children
+def _child(case: str, model_dir: str, workload: MemoryWorkload) -> dict[str, Any]:
+    """Run ``case`` in this (fresh) process; what it generated and the KV pool it held."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    if case == "flashpage-llm":
+        from flashpage import LLM, SamplingParams
+
+        llm = LLM(model_dir, kv_cache_memory=workload.kv_cache_memory, block_size=workload.block_size,
+                  max_num_seqs=workload.num_requests, device="cpu")
+        prompts = workload.prompts(int(llm.model.config.vocab_size))
+        outs = llm.generate(prompts, SamplingParams(max_tokens=workload.max_tokens, temperature=0.0,
+                                                    ignore_eos=True), use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        pool = llm.kv.bytes_per_block() * llm.kv.num_blocks
+        return {"tokens": tokens, "pool": pool, "seconds": time.perf_counter() - start}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+    prompts = workload.prompts(int(model.config.vocab_size))
+    if case == "flashpage-generate":
+        import flashpage
+
+        flashpage.patch(model)
+    tokens, pool = _batched_generate(model, prompts, workload.max_tokens)
+    return {"tokens": tokens, "pool": pool, "seconds": time.perf_counter() - start}
+
+
+def _batched_generate(model: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], int]:
+    """One left-padded greedy ``generate()`` of every prompt: the new tokens and the paged pool's bytes (0 for
+    transformers' own cache)."""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                             do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    kv = getattr(out.past_key_values, "kv", None)
+    pool = kv.bytes_per_block() * kv.num_blocks if kv is not None else 0
+    return out.sequences[:, width:].tolist(), pool
+
+
+# ----------------------------------------------------------------------------------------------- parent
+def _tree_rss(pid: int) -> int:
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def _watch(cmd: list[str], out_path: Path, timeout: float) -> tuple[int, str]:
+    """Run ``cmd``, sampling its process tree's RSS: (peak bytes, the tail of its output)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
+           "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryFile("w+") as log:
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        peak, start = 0, time.monotonic()
+        while child.poll() is None:
+            peak = max(peak, _tree_rss(child.pid))
+            if time.monotonic() - start > timeout:
+                child.kill()
+            time.sleep(POLL_S)
+        log.seek(0)
+        return peak, log.read()[-3000:]
+
+
+def run_case(case: str, model_dir: str, workload: MemoryWorkload, vllm_python: str | None = None,
+             timeout: float = 1800.0) -> CaseResult:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        if case == "vllm":
+            cmd = [str(vllm_python), str(Path(__file__).with_name("vllm_runner.py")),
+                   str(_vllm_spec(model_dir, workload, Path(tmp))), str(out)]
+        else:
+            cmd = [sys.executable, "-m", "flashpage.bench.memory", case, model_dir, json.dumps(asdict(workload)),
+                   str(out)]
+        peak, tail = _watch(cmd, out, timeout)
+        if not out.is_file():
+            return CaseResult(case, peak, 0, 0.0, [], error=tail)
+        got = json.loads(out.read_text())
+    pool = workload.kv_cache_memory if case == "vllm" else int(got["pool"])
+    return CaseResult(case, peak, pool, float(got["seconds"]), got["tokens"])
+
+
+def _vllm_spec(model_dir: str, workload: MemoryWorkload, tmp: Path) -> Path:
+    from transformers import AutoConfig
+
+    vocab = int(AutoConfig.from_pretrained(model_dir).vocab_size)
+    prompts = workload.prompts(vocab)
+    spec = {"model": model_dir, "prompts": prompts, "max_tokens": [workload.max_tokens] * len(prompts),
+            "warm_prompts": [prompts[0][:8]], "max_num_seqs": workload.num_requests,
+            "max_num_batched_tokens": 2048, "enable_prefix_caching": True, "block_size": 128, "dtype": "auto",
+            "kv_cache_memory_bytes": workload.kv_cache_memory, "max_model_len": 2048, "threads": 1}
+    path = tmp / "spec.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def checkpoint_bytes(model_dir: str) -> int:
+    """Bytes of the checkpoint's weight files (``*.safetensors`` / ``*.bin``): what a loaded model holds."""
+    folder = Path(model_dir)
+    return sum(f.stat().st_size for f in folder.iterdir() if f.suffix in (".safetensors", ".bin"))
+
+
+def run(model_dir: str, workload: MemoryWorkload, vllm_python: str | None = None,
+        cases: tuple[str, ...] = CASES) -> dict[str, Any]:
+    """Every case in turn; each row with peak, pool, overhead and whether its tokens equal transformers'."""
+    weights = checkpoint_bytes(model_dir)
+    results = [run_case(c, model_dir, workload) for c in cases]
+    if vllm_python:
+        results.append(run_case("vllm", model_dir, workload, vllm_python))
+    ref = next((r.tokens for r in results if r.case == "transformers" and not r.error), None)
+    rows = []
+    for r in results:
+        rows.append({"case": r.case, "peak": r.peak, "weights": weights, "pool": r.pool,
+                     "overhead": r.peak - weights - r.pool, "seconds": round(r.seconds, 2),
+                     "tokens_equal_transformers": None if ref is None or r.error else r.tokens == ref,
+                     "error": r.error})
+    return {"model": model_dir, "workload": asdict(workload), "rows": rows}
+
+
+def format_report(result: dict[str, Any]) -> str:
+    mib = 2 ** 20
+    w = result["workload"]
+    lines = [f"model: {result['model']}",
+             f"workload: {w['num_requests']} greedy requests, prompts {w['prompt_len'] - 4 * (w['num_requests'] - 1)}"
+             f"-{w['prompt_len']} tokens, {w['max_tokens']} new each; one thread; peak = the process tree's "
+             "largest resident set (sampled every 20 ms)",
+             f"{'case':<20} {'peak MiB':>9} {'weights':>8} {'KV pool':>8} {'overhead':>9} {'seconds':>8}  tokens"]
+    for r in result["rows"]:
+        if r["error"]:
+            last = r["error"].strip().splitlines()[-1] if r["error"].strip() else "?"
+            lines.append(f"{r['case']:<20} failed: {last}")
+            continue
+        same = {None: "-", True: "= transformers", False: "DIFFER from transformers"}[r["tokens_equal_transformers"]]
+        lines.append(f"{r['case']:<20} {r['peak'] / mib:>9.0f} {r['weights'] / mib:>8.0f} {r['pool'] / mib:>8.1f} "
+                     f"{r['overhead'] / mib:>9.0f} {r['seconds']:>8.1f}  {same}")
+    return "\n".join(lines)
+
+
+def run_cli(args: Any) -> int:
+    """``flashpage bench memory``: the report (or JSON); exit 1 when a case failed."""
+    from flashpage.bench.shapes import saved_shape
+
+    if args.model is not None and args.model_shape is not None:
+        raise ValueError("give --model or --model-shape, not both")
+    model_dir = args.model or str(saved_shape(args.model_shape or "qwen3-0.6b", args.dtype or "bfloat16",
+                                              args.num_layers))
+    workload = MemoryWorkload(num_requests=4, prompt_len=64, max_tokens=8) if args.quick else MemoryWorkload()
+    if args.kv_cache_memory is not None:
+        workload = MemoryWorkload(**{**asdict(workload), "kv_cache_memory": args.kv_cache_memory})
+    result = run(model_dir, workload, args.vllm_python)
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 1 if any(r["error"] for r in result["rows"]) else 0
+
+
+def _main(argv: list[str]) -> int:
+    case, model_dir, workload, out = argv
+    result = _child(case, model_dir, MemoryWorkload(**json.loads(workload)))
+    Path(out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,29 @@
+"""``flashpage bench memory`` on the built-in checkpoint: every case runs in its own process, the peaks
+are real (above the weights), each within weights + KV pool + 1 GiB, and the flashpage cases' greedy
+tokens equal unpatched transformers' (float32)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from flashpage.bench.memory import CASES, MemoryWorkload, format_report, run
+from flashpage.tiny import tiny_model_path
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="samples /proc (psutil, Linux)")
+
+
+def test_bench_memory_on_the_builtin_checkpoint() -> None:
+    workload = MemoryWorkload(num_requests=3, prompt_len=24, max_tokens=6, kv_cache_memory=16 << 20)
+    result = run(str(tiny_model_path()), workload)
+    rows = {r["case"]: r for r in result["rows"]}
+    assert set(rows) == set(CASES)
+    for case, r in rows.items():
+        assert not r["error"], f"{case}: {r['error']}"
+        assert r["weights"] < r["peak"] <= r["weights"] + r["pool"] + (1 << 30), (case, r)
+    assert rows["flashpage-llm"]["pool"] > 0 and rows["transformers"]["pool"] == 0
+    assert rows["flashpage-generate"]["tokens_equal_transformers"] is True
+    assert rows["flashpage-llm"]["tokens_equal_transformers"] is True
+    report = format_report(result)
+    assert "flashpage-llm" in report and "= transformers" in report

@@ -60,11 +60,12 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from flashpage.engine.config import EngineConfig
     from flashpage.engine.loading import check_device
 
     check_device(args.device)  # before the model loads: a CPU-only torch cannot serve on cuda
     try:
-        from flashpage.serve.server import ServeOptions, run_server
+        from flashpage.serve.server import ServeOptions, _dtype, run_server
     except ImportError as exc:
         print(f"flashpage serve: needs the serve extra ({exc}). From the repository root: "
               'pip install -e ".[serve]"', file=sys.stderr)
@@ -74,11 +75,12 @@ def _serve(args: argparse.Namespace) -> int:
               "enable_prefix_caching": args.enable_prefix_caching, "kv_cache_memory": args.kv_cache_memory,
               "gpu_memory_utilization": args.gpu_memory_utilization, "dtype": args.dtype, "device": args.device,
               "speculative_config": _serve_speculative_config(args.speculative_config)}
+    _dtype(args.dtype)  # the message names --dtype
     options = ServeOptions(model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
                            max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
                            max_request_bytes=args.max_request_bytes,
                            chat_template=args.chat_template, log_level=args.log_level,
-                           engine={k: v for k, v in engine.items() if v is not None})
+                           engine=EngineConfig.from_options(engine))  # every option checked before the model loads
     size = args.tensor_parallel_size
     if size < 1:
         raise ValueError(f"--tensor-parallel-size {size}: give the number of ranks (>= 1)")

@@ -27,7 +27,7 @@ FAULT_FILE_ENV = "FLASHPAGE_TEST_FAULT_FILE"  # the engine process's fault switc
 
 
 def tiny_llm_with_fault_switch(spec: EngineSpec) -> LLM:
-    """The built-in model's LLM (``spec.engine`` keyword arguments) whose next forward raises "injected fault"
+    """The built-in model's LLM (``spec.engine`` options) whose next forward raises "injected fault"
     once the file named by ``$FLASHPAGE_TEST_FAULT_FILE`` exists (the file is removed): a fault switch that
     reaches into an engine process (run there by name: EngineSpec.build)."""
     model, tok = load_tiny_model()
@@ -39,7 +39,7 @@ def tiny_llm_with_fault_switch(spec: EngineSpec) -> LLM:
             raise RuntimeError("injected fault")
 
     model.model.layers[0].register_forward_pre_hook(fault)
-    return LLM(model, tok, **spec.engine)
+    return LLM(model, tok, **spec.engine.llm_kwargs())
 
 
 def check_cache(llm: LLM) -> None:

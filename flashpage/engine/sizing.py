@@ -126,7 +126,7 @@ def plan_kv_pool(model: Any, device: torch.device, block_size: int, *, num_block
     (a 4M-parameter model does not get a 1 GiB pool). A ``kv_cache_memory`` smaller than one
     block is an error (it is in bytes, not GiB). A block's bytes count every layer's own geometry.
     """
-    _check_utilization(gpu_memory_utilization)
+    check_utilization(gpu_memory_utilization)
     probed = probe_geometry(model)
     if not probed.stores_kv:  # a pure state-space model: blocks hold no pages, they only count tokens
         return KVSizing(len(probed.layer_geometry), 0, 0, 0, probed.dtype, probed.layer_devices, block_size,
@@ -194,6 +194,6 @@ def _check_memory(kv_cache_memory: object, block_bytes: int, block_size: int) ->
     return int(kv_cache_memory)
 
 
-def _check_utilization(utilization: object) -> None:
+def check_utilization(utilization: object) -> None:
     if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")

@@ -45,6 +45,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from flashpage.engine import EngineStats, RequestOutput, SamplingParams
+from flashpage.engine.config import EngineConfig
 from flashpage.engine.outputs import CompletionOutput, RequestMetrics, TokenLogprob
 from flashpage.serve.async_engine import (
     AsyncLLM,
@@ -76,9 +77,13 @@ class EngineSpec:
     """
 
     model: str | None = None
-    engine: dict[str, Any] = field(default_factory=dict)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # a mapping of LLM keyword arguments is taken too
     cpu_bind: str = "none"
     build: Callable[[EngineSpec], Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engine, EngineConfig):
+            self.engine = EngineConfig.from_options(self.engine or {})
 
 
 # ------------------------------------------------------------------------------------------ child side
@@ -200,7 +205,7 @@ def _build(spec: EngineSpec) -> Any:
         return spec.build(spec)
     from flashpage.serve.server import build_llm
 
-    return build_llm(spec.model, dict(spec.engine))
+    return build_llm(spec.model, spec.engine)
 
 
 def _bind(spec: str) -> str:

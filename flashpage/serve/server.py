@@ -23,12 +23,14 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 
+from flashpage.engine.config import EngineConfig
 from flashpage.engine.loading import TINY_MODEL_NAME
 from flashpage.serve.async_engine import AsyncLLM
 from flashpage.serve.engine_process import EngineProcess, EngineSpec
@@ -39,7 +41,8 @@ ENGINE_DIED_EXIT_CODE = 1  # the exit code once the engine died with no restart 
 
 @dataclass
 class ServeOptions:
-    """``flashpage serve`` arguments; ``engine`` holds the LLM keyword arguments."""
+    """``flashpage serve`` arguments; ``engine`` holds the LLM options (a mapping of LLM keyword arguments is
+    taken too, and checked into an :class:`~flashpage.engine.config.EngineConfig`)."""
 
     model: str | None = None
     host: str = "127.0.0.1"
@@ -53,7 +56,17 @@ class ServeOptions:
     cpu_bind: str = "none"  # --cpu-bind (flashpage/cpu_threads.py), applied once the engine is built
     engine_process: bool = False  # the engine in its own process (the CLI's default), else a thread of this one
     max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS  # engine process only: restarts after a death, at most
-    engine: dict[str, Any] = field(default_factory=dict)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        self.engine = as_engine_config(self.engine)
+
+
+def as_engine_config(engine: EngineConfig | Mapping[str, Any] | None) -> EngineConfig:
+    """``engine`` as an EngineConfig (a mapping's None values meaning "not given")."""
+    if isinstance(engine, EngineConfig):
+        return engine
+    return EngineConfig.from_options(engine or {})
 
 
 FLUSH_SECONDS = 5.0  # after the drain: time for aborted requests' final events to reach their clients
@@ -123,23 +136,22 @@ def read_chat_template(path: str | None) -> str | None:
     return p.read_text()
 
 
-def build_llm(model_name: str | None, engine: dict[str, Any]) -> Any:
-    """The :class:`~flashpage.LLM` ``flashpage serve`` runs: the model (``dtype`` and ``device`` taken from
-    ``engine``, the rest are LLM keyword arguments)."""
+def build_llm(model_name: str | None, engine: EngineConfig | Mapping[str, Any]) -> Any:
+    """The :class:`~flashpage.LLM` ``flashpage serve`` runs: the model loaded in ``engine.dtype`` onto
+    ``engine.device``, the rest of ``engine`` its options."""
     from flashpage.engine import LLM, loading
 
-    engine = dict(engine)
-    dtype = _dtype(engine.pop("dtype", None)).get("dtype")
-    model, tokenizer = loading.load_model(model_name, dtype=dtype, device=engine.pop("device", None),
+    engine = as_engine_config(engine)
+    model, tokenizer = loading.load_model(model_name, dtype=engine.dtype, device=engine.device,
                                           label=f"--model {model_name}")
-    return LLM(model, tokenizer, **engine)
+    return LLM(model, tokenizer, **engine.llm_kwargs(drop=("dtype", "device")))
 
 
 def build_engine(options: ServeOptions) -> AsyncLLM | EngineProcess:
     """The server's engine: in its own process (``options.engine_process``, bound there with
     ``--cpu-bind``), else an engine thread of this process."""
     if options.engine_process:
-        spec = EngineSpec(options.model, dict(options.engine), options.cpu_bind)
+        spec = EngineSpec(options.model, options.engine, options.cpu_bind)
         return EngineProcess(spec, max_waiting_requests=options.max_waiting_requests,
                              max_restarts=options.max_engine_restarts)
     llm = build_llm(options.model, options.engine)

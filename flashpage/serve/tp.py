@@ -72,7 +72,7 @@ def run_tp_server(options: ServeOptions, size: int) -> int:
     if world != size:
         raise ValueError(f"--tensor-parallel-size {size} but torchrun started {world} ranks; launch "
                          f"--nproc-per-node x --nnodes = {size} ranks, or omit torchrun and flashpage starts them")
-    if options.engine.get("device") is not None:
+    if options.engine.device is not None:
         raise ValueError("--device cannot be combined with --tensor-parallel-size: each rank uses its own "
                          "accelerator (cuda:LOCAL_RANK) or the CPU; omit --device")
     _init_process_group()
@@ -108,11 +108,8 @@ def _init_process_group() -> None:
 
 def _build_llm(options: ServeOptions, size: int) -> Any:
     from flashpage.engine import LLM, loading
-    from flashpage.serve.server import _dtype
 
-    engine = dict(options.engine)
-    engine.pop("device", None)
-    dtype = _dtype(engine.pop("dtype", None)).get("dtype")
-    model, tokenizer = loading.load_model(options.model, dtype=dtype, tensor_parallel_size=size,
+    engine = options.engine
+    model, tokenizer = loading.load_model(options.model, dtype=engine.dtype, tensor_parallel_size=size,
                                           label=f"--model {options.model}")
-    return LLM(model, tokenizer, **engine)
+    return LLM(model, tokenizer, **engine.llm_kwargs(drop=("dtype", "device", "tensor_parallel_size")))

@@ -235,7 +235,7 @@ def tiny_llm_once(spec: EngineSpec) -> LLM:
     if built.exists():
         raise RuntimeError("injected startup failure")
     built.touch()
-    return LLM(*load_tiny_model(), **spec.engine)
+    return LLM(*load_tiny_model(), **spec.engine.llm_kwargs())
 
 
 def _our_engine_processes() -> list[int]:

@@ -452,6 +452,29 @@ def test_assistant_model_all_accepted(models: dict[str, torch.nn.Module],
     _assert_same(ref, got)
 
 
+def test_batched_assisted_generation_gets_transformers_own_answer(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """transformers refuses an assistant with batch > 1 (or runs it, on a release that allows it): patched, the
+    same happens, with transformers' own error, never one from flashpage's cache."""
+    ids, mask = batch[0][:2], batch[1][:2]
+
+    def run(model: torch.nn.Module, assistant: torch.nn.Module) -> Any:
+        try:
+            return model.generate(input_ids=ids, attention_mask=mask, assistant_model=assistant,
+                                  max_new_tokens=4, do_sample=False, pad_token_id=PAD).tolist()
+        except Exception as exc:  # noqa: BLE001 (the error is the answer compared)
+            return f"{type(exc).__name__}: {exc}"
+
+    model, assistant = tiny_model("llama"), tiny_model("llama", seed=1)
+    ref = run(model, assistant)
+    flashpage.patch(model)
+    flashpage.patch(assistant)
+    try:
+        assert run(model, assistant) == ref
+    finally:
+        flashpage.unpatch(model)
+        flashpage.unpatch(assistant)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_prompt_lookup(models: dict[str, torch.nn.Module], ab: Callable[..., tuple[Any, Any]],
                        paged_steps: list[int], name: str) -> None:

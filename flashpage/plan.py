@@ -210,7 +210,9 @@ class DeviceStep:
         meta = None
         kernel = None
         if (self.token_index is None and self.pad_rows is None
-                and cpu_attention.eligible(query.detach(), k_pages.detach(), v_pages.detach())):
+                and cpu_attention.eligible(query.detach(), k_pages.detach(), v_pages.detach())
+                and dispatch.layer_kernel(query.device, query.dtype, self.plan.block_size, False, False,
+                                          query.shape[-1]) is None):  # a flash-attn build for CPU (tests) goes first
             kernel = cpu_attention.load()
         if kernel is not None:
             tokens = rows * length

@@ -23,8 +23,11 @@ module's own forward, and a form that fails keeps the torch ops. Centred norms (
 gelu stay on torch ops.
 
 Outside the scope (``model.generate()``, training, other threads, torch.compile traces) every patched
-forward calls the module's own code, so the model computes exactly what it did. Only float32
-activations take the fused ops (the rounding of other dtypes differs between the two orders).
+forward calls the module's own code, so the model computes exactly what it did. float32 activations take the
+fused torch forms or the C++ ops; bfloat16 / float16 activations take only the C++ ops, which round where the
+modules' own half-precision ops round (:mod:`flashpage.kernels.cpu_fused`), and only where a second probe in
+those dtypes proves it (the module's own forward on half inputs, at most one rounding step apart in at most 1 in
+20 elements: a norm's rounding order is picked by it); otherwise the module's own forward runs.
 Results differ from the modules' own by float32 rounding (probe tolerance 1e-5). The probes run on small
 stand-ins (a norm's shallow copy with a random weight of its own, an MLP's 32-wide slices), never on a deep
 copy: a patched module's ``_flashpage_state`` holds the whole model. ``FLASHPAGE_FASTPATH=0`` turns it off;
@@ -53,6 +56,8 @@ from flashpage.kernels import cpu_fused
 ENV = "FLASHPAGE_FASTPATH"
 _STATE = threading.local()
 _ATOL = _RTOL = 1e-5
+_HALF = (torch.bfloat16, torch.float16)
+_PROBED_DTYPES = (torch.float32, *_HALF)  # modules whose weights are of these dtypes are probed
 
 
 def enabled_by_env() -> bool:
@@ -123,6 +128,8 @@ class FusedNorm:
     offset: float  # 0.0: the weight as is (Llama); 1.0: 1 + weight (Gemma)
     centred: bool = False  # layer norm (mean subtracted) rather than RMS norm
     cpp: bool = False
+    half: bool = False  # bfloat16 / float16 steps take the C++ op (its rounding order matched the module's)
+    round_normed: bool = True  # half precision: rounds x * scale before the weight (Llama / Qwen), else once (Gemma)
 
 
 def _norm_eps(module: torch.nn.Module) -> float | None:
@@ -153,7 +160,7 @@ def probe_norm(module: torch.nn.Module) -> FusedNorm | None:
     weight = getattr(module, "weight", None)
     eps = _norm_eps(module)
     if (eps is None or not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1
-            or weight.dtype != torch.float32 or weight.device.type == "meta" or next(module.children(), None)
+            or weight.dtype not in _PROBED_DTYPES or weight.device.type == "meta" or next(module.children(), None)
             or type(module) in (torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.GroupNorm)):
         return None
     dim = weight.shape[0]
@@ -169,10 +176,37 @@ def probe_norm(module: torch.nn.Module) -> FusedNorm | None:
                     if _close(want, _fused_norm(fused, x, probe.weight)):
                         ops = None if centred or weight.device.type != "cpu" else cpp_ops()
                         cpp = ops is not None and _close(want, _fused_norm(fused, x, probe.weight, ops))
-                        return FusedNorm(dim, eps, offset, centred, cpp)
+                        order = _half_norm_order(module, fused, ops) if cpp and weight.dtype in _HALF else None
+                        return FusedNorm(dim, eps, offset, centred, cpp, order is not None, order is not False)
     except Exception:  # a module that is not a plain x -> norm(x) forward is simply not a candidate
         return None
     return None
+
+
+def _half_norm_order(module: torch.nn.Module, norm: FusedNorm, ops: cpu_fused.Ops | None) -> bool | None:
+    """For a bfloat16 / float16 norm: the C++ op's rounding order (``round_normed``) that gives the module's own
+    forward in its dtype (random x and weight, at most one unit in the last place of a few elements apart), or None
+    when neither does (half-precision steps then keep the module's forward)."""
+    dtype = module.weight.dtype
+    g = torch.Generator().manual_seed(3)
+    probe = _norm_probe(module, (torch.randn(norm.dim, generator=g) * 0.5 + 1).to(dtype))
+    x = (torch.randn(4, 5, norm.dim, generator=g) * 2.0 + 0.3).to(dtype)
+    want = type(module).forward(probe, x)
+    for round_normed in (True, False):
+        got = ops.rms_norm(x, probe.weight, norm.eps, norm.offset, round_normed) if ops is not None else None
+        if got is not None and _half_close(want, got):
+            return round_normed
+    return None
+
+
+def _half_close(want: Any, got: torch.Tensor) -> bool:
+    """Same shape and dtype, and at most 1 in 20 elements one rounding step of the dtype apart (the float32
+    steps before a rounding may differ by an ulp between two implementations), none further."""
+    if not isinstance(want, torch.Tensor) or want.shape != got.shape or want.dtype != got.dtype:
+        return False
+    diff = (want.float() - got.float()).abs()
+    step = want.float().abs() * torch.finfo(want.dtype).eps + torch.finfo(want.dtype).tiny
+    return bool((diff <= step).all()) and int((diff > 0).sum()) * 20 <= diff.numel()
 
 
 def _norm_probe(module: torch.nn.Module, weight: torch.Tensor) -> torch.nn.Module:
@@ -197,9 +231,13 @@ def _cpu_parameter(value: torch.Tensor | None, like: torch.nn.Parameter | None) 
 
 def _norm_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """x (..., dim) -> (..., dim): the fused op inside the engine's scope on float32, else the module's own."""
-    if not torch.compiler.is_compiling() and _active() and x.dtype == torch.float32 and not args and not kwargs:
+    if not torch.compiler.is_compiling() and _active() and not args and not kwargs:
         norm = self._flashpage_norm
-        return _fused_norm(norm, x, self.weight, _step_ops() if norm.cpp else None)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return _fused_norm(norm, x, self.weight, _step_ops() if norm.cpp else None)
+        ops = _step_ops() if norm.half and x.dtype == self.weight.dtype else None
+        if ops is not None and cpu_fused.eligible(x, self.weight):
+            return ops.rms_norm(x, self.weight, norm.eps, norm.offset, norm.round_normed)
     return type(self).forward(self, x, *args, **kwargs)
 
 
@@ -265,21 +303,47 @@ def _unrolled(fn: Callable[..., Any], *args: Any) -> Any:
         _STATE.rotary = saved
 
 
-def _rotary_dispatch(original: Callable[..., Any], cpp: bool) -> Callable[..., Any]:
+def _probe_rotary_half(fn: Callable[..., Any], ops: cpu_fused.Ops | None) -> bool:
+    """Whether the C++ rotary on bfloat16 and float16 inputs gives ``fn``'s own result in those dtypes (within
+    :func:`_half_close`)."""
+    if ops is None:
+        return False
+    g = torch.Generator().manual_seed(4)
+    try:
+        with torch.no_grad():
+            for dtype in _HALF:
+                q, k = torch.randn(2, 4, 5, 16, generator=g).to(dtype), torch.randn(2, 2, 5, 16, generator=g).to(dtype)
+                cos, sin = torch.randn(2, 5, 16, generator=g).to(dtype), torch.randn(2, 5, 16, generator=g).to(dtype)
+                want, got = fn(q, k, cos, sin), ops.rotary(q, k, cos, sin, 1)
+                if not (_half_close(want[0], got[0]) and _half_close(want[1], got[1])):
+                    return False
+        return True
+    except Exception:  # another signature or another rotation: not a candidate
+        return False
+
+
+def _rotary_dispatch(original: Callable[..., Any], cpp: bool, half: bool = False) -> Callable[..., Any]:
     """``original`` with the fused form taken inside the engine's scope for float32, full-width rotary;
-    the C++ form where ``_flashpage_cpp`` (its probe passed) and the step has the ops."""
+    the C++ form where ``_flashpage_cpp`` (its probe passed) and the step has the ops; bfloat16 / float16 take the
+    C++ form where ``_flashpage_half`` (:func:`_probe_rotary_half` passed), else ``original``."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         if (not torch.compiler.is_compiling() and _active() and not args
-                and q.dtype == k.dtype == cos.dtype == sin.dtype == torch.float32
                 and cos.shape[-1] == q.shape[-1] == k.shape[-1] and set(kwargs) <= {"unsqueeze_dim"}):
-            ops = _step_ops() if apply_rotary_pos_emb._flashpage_cpp else None  # type: ignore[attr-defined]
-            return fused_rotary(q, k, cos, sin, kwargs.get("unsqueeze_dim", 1), ops)
+            dim = kwargs.get("unsqueeze_dim", 1)
+            if q.dtype == k.dtype == cos.dtype == sin.dtype == torch.float32:
+                ops = _step_ops() if apply_rotary_pos_emb._flashpage_cpp else None  # type: ignore[attr-defined]
+                return fused_rotary(q, k, cos, sin, dim, ops)
+            ops = _step_ops() if apply_rotary_pos_emb._flashpage_half else None  # type: ignore[attr-defined]
+            if (ops is not None and q.dtype in _HALF and q.dtype == k.dtype == cos.dtype == sin.dtype
+                    and _rotary_cpp_fits(q, k, cos, sin, dim)):
+                return ops.rotary(q, k, cos, sin, dim)  # the modules' own rounding (cpu_fused's docstring)
         return original(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
     apply_rotary_pos_emb._flashpage_rotary = True  # type: ignore[attr-defined]
     apply_rotary_pos_emb._flashpage_cpp = cpp  # type: ignore[attr-defined]
+    apply_rotary_pos_emb._flashpage_half = half  # type: ignore[attr-defined]
     apply_rotary_pos_emb.__doc__ = original.__doc__
     return apply_rotary_pos_emb
 
@@ -315,10 +379,12 @@ def install_rotary(model: torch.nn.Module) -> list[str]:
         if getattr(fn, "_flashpage_rotary", False):
             if cpu and not fn._flashpage_cpp and (ops := cpp_ops()) is not None:  # installed while they were off
                 fn._flashpage_cpp = _probe_rotary(_rotary_function(fn.__wrapped__), ops)
+                fn._flashpage_half = _probe_rotary_half(_rotary_function(fn.__wrapped__), ops)
             done.append(name)
         elif _probe_rotary(plain):  # the dispatcher calls the global it replaces (a hub-kernel wrapper stays one)
             ops = cpp_ops() if cpu else None
-            mod.apply_rotary_pos_emb = _rotary_dispatch(fn, ops is not None and _probe_rotary(plain, ops))
+            mod.apply_rotary_pos_emb = _rotary_dispatch(fn, ops is not None and _probe_rotary(plain, ops),
+                                                        _probe_rotary_half(plain, ops))
             done.append(name)
     return done
 
@@ -341,6 +407,7 @@ class FusedMLP:
     act: str
     cpp: bool = False
     packed: bool = False
+    half: bool = False  # bfloat16 / float16 steps take the C++ activation-and-product (its probe passed)
 
 
 def probe_mlp(module: torch.nn.Module) -> FusedMLP | None:
@@ -355,7 +422,7 @@ def probe_mlp(module: torch.nn.Module) -> FusedMLP | None:
     act = getattr(module, "activation_fn", None) if act is None else act
     if not all(isinstance(p, torch.nn.Linear) for p in parts) or not callable(act):
         return None
-    if any(p.weight.dtype != torch.float32 or p.weight.device.type == "meta" for p in parts):
+    if any(p.weight.dtype not in _PROBED_DTYPES or p.weight.device.type == "meta" for p in parts):
         return None
     if packed and parts[0].out_features % 2:
         return None
@@ -373,10 +440,24 @@ def probe_mlp(module: torch.nn.Module) -> FusedMLP | None:
                     cpu = parts[0].weight.device.type == "cpu"
                     ops = cpp_ops() if cpu and name in cpu_fused.ACTIVATIONS else None
                     cpp = ops is not None and _close(want, probe.down_proj(cpu_fused.act_and_mul(ops, h, u, name)))
-                    return FusedMLP(name, cpp, packed)
+                    half = cpp and parts[0].weight.dtype in _HALF and _probe_act_half(act, name, ops)
+                    return FusedMLP(name, cpp, packed, half)
     except Exception:  # a forward that takes more than x, or depends on the full widths
         return None
     return None
+
+
+def _probe_act_half(act: Callable[[torch.Tensor], torch.Tensor], name: str, ops: cpu_fused.Ops | None) -> bool:
+    """Whether the C++ activation-and-product gives ``act(gate) * up`` (the module's own activation, in the
+    dtype) in bfloat16 and float16, within :func:`_half_close`."""
+    if ops is None:
+        return False
+    g = torch.Generator().manual_seed(5)
+    for dtype in _HALF:
+        h, u = (torch.randn(2, 3, 64, generator=g) * 3).to(dtype), torch.randn(2, 3, 64, generator=g).to(dtype)
+        if not _half_close(act(h.clone()) * u, cpu_fused.act_and_mul(ops, h, u, name)):
+            return False
+    return True
 
 
 def _narrow_linear(linear: torch.nn.Linear, rows: int, cols: int) -> torch.nn.Linear:
@@ -426,10 +507,19 @@ def _owns_storage(t: torch.Tensor) -> bool:
 
 def _mlp_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """x (..., hidden) -> (..., hidden): activation and product in one C++ pass, or in place, inside the
-    engine's scope."""
+    engine's scope (bfloat16 / float16: the C++ pass where its probe passed, else the module's own forward)."""
+    fused: FusedMLP = self._flashpage_mlp
+    if (x.dtype in _HALF and fused.half and not torch.compiler.is_compiling() and _active() and not args
+            and not kwargs and x.device.type == "cpu" and (ops := _step_ops()) is not None):
+        code = cpu_fused.ACTIVATIONS[fused.act]
+        if fused.packed:
+            both = self.gate_up_proj(x)
+            half = both.shape[-1] // 2
+            return self.down_proj(ops.act_and_mul(both[..., :half], both[..., half:], code))
+        return self.down_proj(ops.act_and_mul(self.gate_proj(x), self.up_proj(x), code))
+    first = self.gate_up_proj if fused.packed else self.gate_proj
     if (not torch.compiler.is_compiling() and _active() and x.dtype == torch.float32 and not args and not kwargs
-            and torch.is_inference_mode_enabled()):
-        fused: FusedMLP = self._flashpage_mlp
+            and torch.is_inference_mode_enabled() and first.weight.dtype == torch.float32):
         ops = _step_ops() if fused.cpp and x.device.type == "cpu" else None
         if fused.packed:
             both = self.gate_up_proj(x)

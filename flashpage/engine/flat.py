@@ -3,7 +3,7 @@
 An eager transformers forward reaches each op through module calls (``nn.Module.__call__`` and its hook
 checks), decorators (``deprecate_kwarg``, ``capture_outputs``, ``merge_with_config_defaults``), keyword
 dictionaries, config attribute lookups and the attention-interface registry: on CPU, at batch 1, that
-Python costs about as much as the model's GEMMs (README "Against vLLM"). :class:`FlatDecoder` runs the
+Python costs about as much as the model's GEMMs (docs/benchmarks.md). :class:`FlatDecoder` runs the
 same step as a loop over the layers that calls the very ops the patched model calls, in the same order:
 the embedding, the model's own rotary-embedding module, the fast path's fused norms / rotary / gated MLPs
 (``engine/fastpath.py``), the oneDNN (packed, fused-sibling) linears (``engine/linears.py``), the cache's

@@ -1,4 +1,4 @@
-"""oneDNN for the engine's float32 linears on CPU (what vLLM's CPU backend does).
+"""oneDNN for the engine's float32 linears on CPU (what vLLM's CPU backend does); half-precision linears.
 
 torch's ``F.linear`` on CPU float32 calls MKL's sgemm, which on some CPUs (AMD EPYC here) runs
 2-2.3x slower than oneDNN's matmul on the same shapes (measured: x (256, 512) @ W (1376, 512)^T,
@@ -19,6 +19,16 @@ about 25 us more than the work at hidden 256: it runs :mod:`flashpage.kernels.cp
 (MKL's GEMV). Measured, 1 thread, AMD EPYC (AVX2), us per call, oneDNN packed / F.linear / small_linear:
 hidden 256, one row: q/k/v 40 / 16 / 11, gate/up 57 / 39 / 25, LM head (4096) 113 / 108 / 65; four rows:
 q/k/v 49 / 37 / 20, gate/up 86 / 99 / 51; hidden 512, four rows: gate/up 256 / 372 / 189, down 137 / 162 / 140.
+
+bfloat16 / float16 linears (the dtype checkpoints ship in) take the same scoped forward: a step of at most
+:data:`HALF_SMALL_ROWS` rows runs ``small_linear`` in half precision (float32 sums of exact products, one rounding;
+AVX-512 BF16 ``vdpbf16ps`` where the CPU has it), everything else ``F.linear`` (torch's bfloat16 GEMM, oneDNN).
+Measured, 1 thread, AMD EPYC with avx512_bf16 (a shared machine: ratios of alternating runs), the Qwen3-0.6B
+shape's q/k/v, o, gate/up and down weights x 28 (840 MB, streamed from memory), bf16, F.linear / small_linear
+time: one row 2.7x, four 1.1x, eight 1.5x, sixteen 1.5x, 32 1.2x, 48 0.95x. oneDNN's packed bfloat16 weights ran
+M = 16 about 1.4x faster than F.linear in a cache-resident test, but a packed copy of every weight is the weights'
+size again (the memory goal is weights + KV pool + 1 GiB), so half-precision weights are never packed
+(``_packable``: float32 only) and never copied to float32.
 
 Packed and fused weights (:class:`Prepacked`, ``LLM(cpu_prepack=...)``): as vLLM's CPU backend, the
 engine keeps each weight in oneDNN's blocked layout (packed once, not reordered on every call), and
@@ -47,6 +57,9 @@ from flashpage.kernels import cpu_fused
 _STATE = threading.local()
 ENV = "FLASHPAGE_CPU_LINEAR"
 SMALL_ROWS = 4  # steps of at most this many rows skip oneDNN (see the module docstring); 0: never (an A/B switch)
+# bfloat16 / float16 steps of at most this many rows take the C++ small-M kernel (see the module docstring); 0: never
+HALF_SMALL_ROWS = 32
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def _active() -> bool:
@@ -69,12 +82,28 @@ def _few_rows(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def _half_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """(..., in) -> (..., out) for bfloat16 / float16 x and weight inside an engine step: the C++ small-M kernel for
+    at most :data:`HALF_SMALL_ROWS` rows (float32 sums, one rounding; AVX-512 BF16 where the CPU has it), else
+    ``F.linear`` (torch's bfloat16 GEMM: oneDNN). No packed or float32 copy of the weight is made."""
+    ops = cpu_fused.loaded()
+    if (ops is not None and x.numel() <= HALF_SMALL_ROWS * x.shape[-1] and module.weight.is_contiguous()
+            and x.dtype == module.weight.dtype):
+        packs = _STATE.packs
+        if packs is not None:
+            packs.observe(module, x)
+        return ops.small_linear(x, module.weight, module.bias)
+    return F.linear(x, module.weight, module.bias)
+
+
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """(..., in) -> (..., out): oneDNN inside an engine step on this thread (traced: inside a compiled
     engine step, as an opaque op), else F.linear."""
     if torch.compiler.is_compiling():
         if _COMPILED_ONEDNN and x.dtype == torch.float32:
             return onednn_linear_op(x, self.weight, self.bias)
+    elif _active() and x.dtype in _HALF:
+        return _half_forward(self, x)
     elif _active() and x.dtype == torch.float32:
         packs = _STATE.packs
         if x.numel() <= SMALL_ROWS * x.shape[-1]:  # decodes of one to a few sequences: no oneDNN call overhead
@@ -110,6 +139,7 @@ def install_onednn_linears(model: Any) -> int:
     if not onednn_available():
         return 0
     count = 0
+    half = False
     for module in model.modules():
         if type(module) is not torch.nn.Linear:
             continue
@@ -118,10 +148,13 @@ def install_onednn_linears(model: Any) -> int:
             count += 1
             continue
         w = module.weight
-        if own is not None or w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
+        if own is not None or w.device.type != "cpu" or w.dtype not in (torch.float32, *_HALF) or w.dim() != 2:
             continue
         module.forward = types.MethodType(_onednn_forward, module)
+        half = half or w.dtype in _HALF
         count += 1
+    if half:
+        cpu_fused.load()  # the half-precision small-M kernel (built once per machine; None: F.linear runs)
     return count
 
 
@@ -203,7 +236,7 @@ def compiled_scope(enabled: bool = True, packs: Prepacked | None = None) -> Iter
 # ------------------------------------------------------------------ packed and fused weights
 # oneDNN reorders a plain (out, in) weight into its blocked layout on every call; vLLM's CPU backend
 # packs each weight once; ``_reorder_linear_weight(w, batch_hint)`` does that here. Measured (1 thread,
-# AMD EPYC, AVX-512; README "Against vLLM", linears): hint 32 is within noise of the best hint at M = 1..2048 and
+# AMD EPYC, AVX-512; docs/benchmarks.md): hint 32 is within noise of the best hint at M = 1..2048 and
 # never slower than the plain weight, so one pack serves decode and prefill steps alike.
 PREPACK_ENV = "FLASHPAGE_CPU_PREPACK"
 PACK_BATCH_HINT = 32

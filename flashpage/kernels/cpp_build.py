@@ -8,10 +8,13 @@ there afterwards; compiler errors name the files in ``csrc/``.
 
 Flags: ``-O3 -fopenmp -fno-math-errno`` plus the caller's; the engine's builds add :func:`arch_flags`
 (``-march=native`` on x86-64 / aarch64), so the compiler's own macros (``__AVX512F__``, ``__AVX2__`` /
-``__FMA__``) pick the AVX-512, AVX2 + FMA or portable paths for the CPU that builds it. The extension's name
-(:func:`build_name`), hence its cache folder, carries a version and a digest of the bytes of every file the
-build reads (its sources and the headers in ``csrc/``), the flags, torch's version and this CPU's model and
-flags: editing a source, or moving the cache to another CPU, builds anew; otherwise it builds once per machine.
+``__FMA__``; for bfloat16 / float16, ``__AVX512BF16__`` and ``__AVX512BW__`` / ``__AVX512VL__`` in ``half.h`` /
+``half_linear.h``) pick the AVX-512 (BF16), AVX2 + FMA or portable paths for the CPU that builds it: a CPU without
+AVX-512 BF16 compiles the widened-float32 path, one without AVX-512 the portable loops (the tests build both).
+The extension's name (:func:`build_name`), hence its cache folder, carries a version and a digest of the bytes
+of every file the build reads (its sources and the headers in ``csrc/``), the flags, torch's version and this
+CPU's model and flags: editing a source, or moving the cache to another CPU, builds anew; otherwise it builds once
+per machine.
 """
 
 from __future__ import annotations

@@ -15,8 +15,10 @@ and no AVX-512 (AMD Zen 2/3, Intel client parts), decode tiles' float32 scores t
 dot per key: eight keys at a time, each with its own 8-lane sums, reduced together by one hadd tree (head dims
 that are multiples of 8); measured 2x the portable loops on 64 decodes of 140-190 keys.
 Same contract as the reference (docs/flash-attn-contract.md section 3): bottom-right causal,
-sliding window, softcap, attention sinks, a row with no visible key returns 0. float32 and float64
-only; anything else (half types, ALiBi, LSE, autograd) stays on the reference.
+sliding window, softcap, attention sinks, a row with no visible key returns 0. float32, float64, and
+bfloat16 / float16 (``csrc/attention_half.h``: the generic tile's float32 arithmetic on the tile's queries and each
+page's K / V rows widened into per-thread float32 scratch, each row read once per tile; the output rounded once, the
+LSE float32, as flash-attn accumulates); anything else (ALiBi, autograd) stays on the reference.
 
 The same library has the K/V store (:func:`store_kv`: one call writes a layer's new K and V rows
 into their slots). Its C++ is ``flashpage/kernels/csrc/cpu_attention.cpp`` (with ``csrc/common.h``), built
@@ -44,8 +46,8 @@ ENV = "FLASHPAGE_CPU_ATTENTION"  # "reference" forces the PyTorch path; anything
 # "0": decodes that share their first pages read them each on their own (an A/B switch; read at import)
 CASCADE_ENV = "FLASHPAGE_CPU_CASCADE"
 _CASCADE = os.environ.get(CASCADE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
-_DTYPES = (torch.float32, torch.float64)
-_VERSION = 14  # bump when the C++ source changes meaning (the sources' hash also rebuilds)
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # what the kernel takes
+_VERSION = 15  # bump when the C++ source changes meaning (the sources' hash also rebuilds)
 _SOURCES = ("cpu_attention.cpp",)  # in csrc/ (with common.h)
 
 
@@ -145,7 +147,7 @@ def store_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: t
 
 def eligible(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
     """Whether these tensors can take the kernel (it still may be unavailable: see :func:`load`)."""
-    if q.device.type != "cpu" or q.dtype not in _DTYPES or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+    if q.device.type != "cpu" or q.dtype not in DTYPES or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
         return False
     if k_pages.device.type != "cpu" or k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
         return False
@@ -164,11 +166,13 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
                     cascade: bool | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Paged attention of packed queries, or None when the kernel is unavailable (caller falls back).
 
-    q: (T, H, D) float32/float64, sequence b's rows ``cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1``;
+    q: (T, H, D) float32 / float64 / bfloat16 / float16 (pages of the same dtype), sequence b's rows
+    ``cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1``;
     k_pages / v_pages: (NB, P, Hk, D|Dv); block_table: (B, M) int (columns past a sequence's keys
     are never read); seqlens_k: (B,) keys visible; ``window``: (left, right) with causal folded in
     (:func:`window_sides`), -1 unbounded; s_aux: (H,) sink logits or None. Returns out (T, H, Dv)
-    in q's dtype and the log-sum-exp (T, H) (+inf for a row that sees no key). ``generic``: the portable
+    in q's dtype and the log-sum-exp (T, H) (+inf for a row that sees no key; float32 for half-precision q, else
+    q's dtype). ``generic``: the portable
     loops only; ``cascade``: decode rows whose tables start with the same pages read them once, together
     (None: ``FLASHPAGE_CPU_CASCADE``, default on).
     """

@@ -25,6 +25,14 @@ three or four per tensor. These ops do each in one pass per row, ``at::parallel_
   still read them), laid out (B, L, H, D) in memory whatever the logical order, so the attention's
   transpose back to packed (T, H, D) rows is a view.
 
+bfloat16 / float16 (``csrc/half.h``, ``half_fused.h``, ``half_linear.h``): float32 math on widened rows, rounded to
+the dtype where transformers' eager modules round (each of their half-precision ops computes in float32 and rounds
+its result): RMSNorm ``S(w * S(x * scale))`` (Llama / Qwen; Gemma's ``S(x * scale * (1 + w))`` with
+``round_normed=False``), ``S(S(act(g)) * up)``, rotary ``S(S(x * cos) + S(rotate_half(x) * sin))``, so the fused
+ops give the modules' own bits up to float32 rounding of an intermediate. ``small_linear`` in half precision:
+float32 sums rounded once (AVX-512 BF16 ``vdpbf16ps`` where the build has ``__AVX512BF16__``, widened FMAs on
+other AVX-512 builds, portable loops elsewhere), up to four rows at a time over each weight row.
+
 float32 takes AVX-512 where the build has ``__AVX512F__``, 8-lane AVX2 + FMA for act_and_mul where it has those
 (RMSNorm's and rotary's portable loops vectorize as they are), and portable loops otherwise; float64 the
 portable loops. Results differ from torch's ops by float32 rounding only. The C++ is
@@ -49,10 +57,14 @@ from flashpage.kernels import cpp_build
 from flashpage.kernels.cpp_build import missing_tools as _missing_tools  # a module global: tests replace it
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # act_and_mul's codes
-_DTYPES = (torch.float32, torch.float64)
-_VERSION = 4  # bump when the C++ source changes meaning (the sources' hash also rebuilds)
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+HALF = (torch.bfloat16, torch.float16)
+_VERSION = 5  # bump when the C++ source changes meaning (the sources' hash also rebuilds)
 _SOURCES = ("cpu_fused.cpp",)  # in csrc/ (with common.h)
 _PORTABLE_FLAGS = ("-DFLASHPAGE_FUSED_NS=flashpage_fused_portable",)  # no -march=native; ops in another namespace
+# the tests' third build: -march=native without AVX-512 BF16 (the widened-FMA half-precision linear of AVX-512 CPUs
+# that lack it), its ops in a third namespace
+_NO_BF16_FLAGS = ("-mno-avx512bf16", "-DFLASHPAGE_FUSED_NS=flashpage_fused_nobf16")
 
 
 @dataclass(frozen=True)
@@ -82,20 +94,24 @@ def _sources() -> list[str]:
     return [cpp_build.source(name) for name in _SOURCES]
 
 
-def _flags(portable: bool) -> list[str]:
+def _flags(portable: bool | str) -> list[str]:
+    if portable == "no_bf16":
+        return [*cpp_build.arch_flags(), *_NO_BF16_FLAGS]
     return list(_PORTABLE_FLAGS) if portable else cpp_build.arch_flags()
 
 
-def _build_name(portable: bool = False) -> str:
-    prefix = f"flashpage_cpu_fused{'_portable' if portable else ''}"
-    return cpp_build.build_name(prefix, _VERSION, _sources(), _flags(portable))
+def _build_name(portable: bool | str = False) -> str:
+    suffix = {False: "", True: "_portable", "no_bf16": "_nobf16"}[portable]
+    return cpp_build.build_name(f"flashpage_cpu_fused{suffix}", _VERSION, _sources(), _flags(portable))
 
 
-def _build(portable: bool = False) -> Ops:
-    """Compile (or load from torch's extension cache) and return the registered ops. ``portable``: the
-    build without -march=native (no AVX-512 path), its ops in another namespace (for the tests)."""
+def _build(portable: bool | str = False) -> Ops:
+    """Compile (or load from torch's extension cache) and return the registered ops. ``portable``: True, the
+    build without -march=native (no AVX-512 path); "no_bf16", -march=native without AVX-512 BF16; each with its
+    ops in another namespace (for the tests)."""
     cpp_build.jit_build(_build_name(portable), _sources(), _flags(portable))
-    ns = torch.ops.flashpage_fused_portable if portable else torch.ops.flashpage_fused
+    ns = {False: torch.ops.flashpage_fused, True: torch.ops.flashpage_fused_portable,
+          "no_bf16": torch.ops.flashpage_fused_nobf16}[portable]
     return Ops(ns.rms_norm.default, ns.act_and_mul.default, ns.rotary.default, ns.small_linear.default)
 
 
@@ -143,16 +159,20 @@ def _library_path() -> str | None:
 
 
 def eligible(*tensors: torch.Tensor) -> bool:
-    """Whether these tensors can take the ops: CPU, one float32 / float64 dtype, no autograd to record."""
+    """Whether these tensors can take the ops: CPU, one float32 / float64 / bfloat16 / float16 dtype, no autograd to
+    record."""
     dtype = tensors[0].dtype
     if dtype not in _DTYPES or any(t.device.type != "cpu" or t.dtype != dtype for t in tensors):
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-def rms_norm(ops: Ops, x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    """x (..., D), w (D,) -> (..., D) contiguous: ``x * rsqrt(mean(x^2, -1) + eps) * (w + offset)``."""
-    return ops.rms_norm(x, w, eps, offset)
+def rms_norm(ops: Ops, x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 0.0,
+             round_normed: bool = True) -> torch.Tensor:
+    """x (..., D), w (D,) -> (..., D) contiguous: ``x * rsqrt(mean(x^2, -1) + eps) * (w + offset)``.
+    Half precision: ``round_normed`` rounds the normalised x to x's dtype before the weight (Llama / Qwen order),
+    else one rounding at the end (Gemma order); no effect on float32 / float64."""
+    return ops.rms_norm(x, w, eps, offset, round_normed)
 
 
 def act_and_mul(ops: Ops, gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
@@ -162,7 +182,8 @@ def act_and_mul(ops: Ops, gate: torch.Tensor, up: torch.Tensor, act: str = "silu
 
 
 def small_linear(ops: Ops, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) float32 with a few rows, w (N, K), bias (N,) or None -> ``x @ w.T + bias`` (..., N)."""
+    """x (..., K) with a few rows, w (N, K), bias (N,) or None, all float32 / bfloat16 / float16 of one dtype ->
+    ``x @ w.T + bias`` (..., N) (half precision: float32 sums, one rounding)."""
     return ops.small_linear(x, w, bias)
 
 

@@ -165,15 +165,15 @@ def test_bad_shapes_name_the_problem(ops):
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match=r"rms_norm: x \(\.\.\., D\) and w \(D,\)"):
         cpu_fused.rms_norm(ops, x, torch.randn(7), 1e-6)
-    with pytest.raises(RuntimeError, match="rms_norm: float32 / float64"):
-        cpu_fused.rms_norm(ops, x.half(), torch.randn(8).half(), 1e-6)
+    with pytest.raises(RuntimeError, match="rms_norm: float32 / float64 / bfloat16 / float16 x and w of one dtype"):
+        cpu_fused.rms_norm(ops, x.half(), torch.randn(8).bfloat16(), 1e-6)
     with pytest.raises(RuntimeError, match="act_and_mul: gate and up of one shape"):
         cpu_fused.act_and_mul(ops, x, torch.randn(4, 9))
     with pytest.raises(RuntimeError, match=r"small_linear: x \(\.\.\., K\) and w \(N, K\)"):
         cpu_fused.small_linear(ops, x, torch.randn(3, 7))
-    with pytest.raises(RuntimeError, match="small_linear: float32 x and w"):
+    with pytest.raises(RuntimeError, match="small_linear: float32 / bfloat16 / float16 x and w of one dtype"):
         cpu_fused.small_linear(ops, x.double(), torch.randn(3, 8).double())
-    with pytest.raises(RuntimeError, match=r"small_linear: bias \(N,\) float32"):
+    with pytest.raises(RuntimeError, match=r"small_linear: bias \(N,\) of x.s dtype"):
         cpu_fused.small_linear(ops, x, torch.randn(3, 8), torch.randn(4))
     q, cos = torch.randn(1, 2, 3, 6), torch.randn(1, 3, 6)
     with pytest.raises(RuntimeError, match="rotary: the head dim must be even"):

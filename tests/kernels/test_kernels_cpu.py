@@ -48,7 +48,7 @@ def batches(draw) -> dict:
         value_dim=draw(st.sampled_from([head_dim, head_dim, 32])),
         kv_heads=draw(st.sampled_from([1, 2, 3])),
         group=draw(st.sampled_from([1, 2, 4, 8])),
-        dtype=draw(st.sampled_from([torch.float32, torch.float64])),
+        dtype=draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16])),
         causal=draw(st.booleans()),
         window=draw(st.sampled_from([(-1, -1), (-1, -1), (16, 0), (5, 5), (-1, 3), (0, 0)])),
         softcap=draw(st.sampled_from([0.0, 0.0, 10.0])),
@@ -103,7 +103,12 @@ def _oracle(c: dict, t: dict, scale: float) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _tolerance(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """float32: 2e-5 of the largest output; float64: 1e-10. bfloat16 / float16 (inputs exact in float64, float32
+    arithmetic, the output rounded once): one rounding step of the dtype (its eps, twice the rounding error) of
+    the largest output, plus float32's."""
     scale = 1.0 + (ref[torch.isfinite(ref)].abs().max().item() if ref.numel() else 0.0)
+    if dtype in (torch.bfloat16, torch.float16):
+        return (torch.finfo(dtype).eps + 2e-5) * scale
     return (2e-5 if dtype == torch.float32 else 1e-10) * scale
 
 
@@ -372,10 +377,25 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch):
     assert state.name == "reference" and "no C++ compiler" in state.reason
 
 
-def test_half_types_and_autograd_stay_on_the_reference(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_types_take_the_kernel(monkeypatch, dtype):
+    """bfloat16 / float16 layers run the C++ kernel (float32 arithmetic, output in the dtype, LSE float32) and
+    agree with the reference within one rounding step of the dtype."""
+    calls = _spy(monkeypatch)
+    qh, k_pages, v_pages, table, lengths = _layer_case(1, 2, [5, 9], dtype=dtype)
+    got = paged.attend_static(qh, k_pages, v_pages, table, lengths, paged.LayerOptions())
+    assert calls and got.dtype == dtype
+    want = _forced_reference(monkeypatch, lambda: paged.attend_static(qh, k_pages, v_pages, table, lengths,
+                                                                        paged.LayerOptions()))
+    assert (got.float() - want.float()).abs().max().item() <= 2 * torch.finfo(dtype).eps * want.float().abs().max()
+    res = cpu_attention.paged_attention(qh.transpose(1, 2).reshape(-1, qh.shape[1], qh.shape[3]).contiguous(),
+                                        k_pages, v_pages, table, lengths, torch.tensor([0, 2, 4]), 0.125, 0.0,
+                                        (-1, 0), None)
+    assert res is not None and res[0].dtype == dtype and res[1].dtype == torch.float32
+
+
+def test_autograd_stays_on_the_reference(monkeypatch):
     monkeypatch.setattr(cpu_attention, "load", lambda: pytest.fail("the kernel must not be asked for"))
-    qh, k_pages, v_pages, table, lengths = _layer_case(1, 2, [5, 9], dtype=torch.bfloat16)
-    assert paged.attend_static(qh, k_pages, v_pages, table, lengths, paged.LayerOptions()).dtype == torch.bfloat16
     qh, k_pages, v_pages, table, lengths = _layer_case(1, 2, [5, 9])
     qh = qh.detach().requires_grad_()
     out = paged.attend_static(qh, k_pages, v_pages, table, lengths, paged.LayerOptions())
@@ -388,7 +408,8 @@ def test_info_says_which_cpu_attention_runs(monkeypatch):
 
     info = collect_info()
     assert info["cpu_attention"]["backend"] == "cpp"
-    assert "CPU attention (float32/float64 pages): cpp" in format_info(info)
+    assert "CPU attention (float32/float64/bfloat16/float16 pages): cpp" in format_info(info)
+    assert "-> cpp: fused C++ paged-attention kernel" in format_info(info)  # the kernels table says so too
     monkeypatch.setenv(cpu_attention.ENV, "reference")
     info = collect_info()
     assert info["cpu_attention"]["backend"] == "reference" and cpu_attention.ENV in info["cpu_attention"]["reason"]

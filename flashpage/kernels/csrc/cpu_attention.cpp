@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common.h"
+#include "half.h"
 
 namespace {
 
@@ -1189,6 +1190,8 @@ std::vector<Task> plan_tasks(const Args<T>& a, int64_t batch, bool fast) {
   return tasks;
 }
 
+#include "attention_half.h"  // bfloat16 / float16: half_attention::run (uses the generic tile helpers above)
+
 // mode: 0 the fast paths where they apply (float32, AVX-512) with the cascade, 1 the generic loops only,
 // 2 the fast paths without the cascade.
 template <typename T>
@@ -1241,7 +1244,33 @@ void run(const Args<T>& a, int64_t batch, int64_t mode) {
 
 }  // namespace
 
-// q (T, H, D) with rows cu_q[b] .. cu_q[b+1]-1 for sequence b; returns out (T, H, Dv), lse (T, H).
+// The bfloat16 / float16 call (attention_half.h): the tensors' pointers and strides, then half_attention::run.
+template <typename S>
+void run_half(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages, at::Tensor& out,
+              at::Tensor& lse, const at::Tensor& table, const at::Tensor& lens, const at::Tensor& cu,
+              const at::Tensor& sink_t, double factor, double softcap, int64_t left, int64_t right) {
+  half_attention::HalfArgs<S> h;
+  h.q = q.data_ptr<S>(); h.k = k_pages.data_ptr<S>(); h.v = v_pages.data_ptr<S>(); h.out = out.data_ptr<S>();
+  Args<float>& a = h.f;
+  a.q = nullptr; a.k = nullptr; a.v = nullptr; a.out = nullptr;
+  a.q_t = q.stride(0); a.q_h = q.stride(1);
+  a.k_b = k_pages.stride(0); a.k_p = k_pages.stride(1); a.k_h = k_pages.stride(2);
+  a.v_b = v_pages.stride(0); a.v_p = v_pages.stride(1); a.v_h = v_pages.stride(2);
+  a.o_t = out.stride(0); a.o_h = out.stride(1);
+  a.lse = lse.data_ptr<float>();
+  a.table = table.data_ptr<int64_t>(); a.table_b = table.stride(0); a.table_w = table.size(1);
+  a.seqlens_k = lens.data_ptr<int64_t>();
+  a.cu_q = cu.data_ptr<int64_t>();
+  a.sinks = sink_t.defined() ? sink_t.data_ptr<float>() : nullptr;
+  a.heads = q.size(1); a.kv_heads = k_pages.size(2); a.d = q.size(2); a.dv = v_pages.size(3);
+  a.page = k_pages.size(1);
+  a.factor = static_cast<float>(factor); a.softcap = static_cast<float>(softcap);
+  a.left = left; a.right = right;
+  half_attention::run(h, table.size(0));
+}
+
+// q (T, H, D) with rows cu_q[b] .. cu_q[b+1]-1 for sequence b; returns out (T, H, Dv), lse (T, H) (float32 for
+// bfloat16 / float16 q, else q's dtype).
 std::tuple<at::Tensor, at::Tensor> paged_attention(
     const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages, const at::Tensor& block_table,
     const at::Tensor& seqlens_k, const at::Tensor& cu_seqlens_q, double factor, double softcap, int64_t left,
@@ -1261,14 +1290,22 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
               cu_rows[batch], ") does not fit q's ", q.size(0), " rows");
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK(cu_rows[b] <= cu_rows[b + 1], "paged_attention: cu_seqlens_q must not decrease");
+  const bool half = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
   auto out = at::empty({q.size(0), q.size(1), v_pages.size(3)}, q.options());
-  auto lse = at::empty({q.size(0), q.size(1)}, q.options());
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(half ? at::kFloat : q.scalar_type()));
   if (cu_rows[batch] != q.size(0) || cu_rows[0] != 0) {  // rows no sequence owns: 0, +inf
     out.zero_();
     lse.fill_(std::numeric_limits<double>::infinity());
   }
   at::Tensor sink_t;
-  if (sinks.has_value() && sinks->defined()) sink_t = sinks->to(q.scalar_type()).contiguous();
+  if (sinks.has_value() && sinks->defined()) sink_t = sinks->to(lse.scalar_type()).contiguous();
+  if (half) {
+    if (q.scalar_type() == at::kBFloat16)
+      run_half<c10::BFloat16>(q, k_pages, v_pages, out, lse, table, lens, cu, sink_t, factor, softcap, left, right);
+    else
+      run_half<c10::Half>(q, k_pages, v_pages, out, lse, table, lens, cu, sink_t, factor, softcap, left, right);
+    return {out, lse};
+  }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "paged_attention", [&] {
     Args<scalar_t> a;
     a.q = q.data_ptr<scalar_t>(); a.q_t = q.stride(0); a.q_h = q.stride(1);

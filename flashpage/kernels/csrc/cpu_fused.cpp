@@ -17,6 +17,9 @@
 #endif
 
 #include "common.h"
+#include "half.h"
+#include "half_linear.h"
+#include "half_fused.h"
 
 namespace {
 
@@ -140,17 +143,46 @@ std::vector<int64_t> row_offsets(const at::Tensor& x) {
 at::Tensor last_dim_contiguous(const at::Tensor& x) { return x.stride(-1) == 1 ? x : x.contiguous(); }
 
 // x (..., D) (rows at any strides), w (D,) -> (..., D) contiguous: x * rsqrt(mean(x^2) + eps) * (w + offset).
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps, double offset) {
+inline bool is_half(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+// The bfloat16 / float16 rows of rms_norm (half_fused.h): w + offset widened to float32 once per call.
+template <typename S>
+void rms_norm_half(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const std::vector<int64_t>& rows,
+                   double eps, double offset, bool round_normed) {
+  const int64_t d = x.size(-1);
+  std::vector<float> wf(d);
+  widen(w.data_ptr<S>(), wf.data(), d);
+  for (float& v : wf) v += static_cast<float>(offset);
+  const S* xp = x.data_ptr<S>();
+  S* yp = y.data_ptr<S>();
+  at::parallel_for(0, static_cast<int64_t>(rows.size()), kGrain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scratch(d);
+    for (int64_t r = r0; r < r1; ++r)
+      half_fused::rms_row(xp + rows[r], wf.data(), yp + r * d, d, static_cast<float>(eps), round_normed,
+                          scratch.data());
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps, double offset, bool round_normed) {
   TORCH_CHECK(x_in.dim() >= 1 && w_in.dim() == 1 && w_in.size(0) == x_in.size(-1),
               "rms_norm: x (..., D) and w (D,) expected, got ", x_in.sizes(), " and ", w_in.sizes());
-  TORCH_CHECK(x_in.scalar_type() == w_in.scalar_type() && (x_in.scalar_type() == at::kFloat ||
-              x_in.scalar_type() == at::kDouble), "rms_norm: float32 / float64 x and w of one dtype");
+  const auto dtype = x_in.scalar_type();
+  TORCH_CHECK(dtype == w_in.scalar_type() && (dtype == at::kFloat || dtype == at::kDouble || is_half(dtype)),
+              "rms_norm: float32 / float64 / bfloat16 / float16 x and w of one dtype");
   const at::Tensor x = last_dim_contiguous(x_in);
   const at::Tensor w = w_in.contiguous();
   at::Tensor y = at::empty(x.sizes(), x.options());
   const int64_t d = x.size(-1);
   if (x.numel() == 0) return y;
   const std::vector<int64_t> rows = row_offsets(x);
+  if (dtype == at::kBFloat16) {
+    rms_norm_half<c10::BFloat16>(x, w, y, rows, eps, offset, round_normed);
+    return y;
+  }
+  if (dtype == at::kHalf) {
+    rms_norm_half<c10::Half>(x, w, y, rows, eps, offset, round_normed);
+    return y;
+  }
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     std::vector<scalar_t> shifted;  // w + offset (Gemma's 1 + w), once per call
@@ -192,12 +224,40 @@ void act_mul_row(const double* __restrict g, const double* __restrict u, double*
   for (int64_t i = 0; i < n; ++i) o[i] = act_one(g[i], act) * u[i];
 }
 
+// v[0, n) = act(v[0, n)) in float32: 16 lanes (AVX-512) or 8 (AVX2 + FMA) at a time, the rest one by one.
+void act_in_place(float* v, int64_t n, int act) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(v + i, act16(_mm512_loadu_ps(v + i), act));
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, act8(_mm256_loadu_ps(v + i), act));
+#endif
+  for (; i < n; ++i) v[i] = act_one(v[i], act);
+}
+
+// The bfloat16 / float16 rows of act_and_mul (half_fused.h): o = S(S(act(g)) * u).
+template <typename S>
+void act_and_mul_half(const at::Tensor& g, const at::Tensor& u, at::Tensor& out, const std::vector<int64_t>& g_rows,
+                      const std::vector<int64_t>& u_rows, int act) {
+  const int64_t n = g.size(-1);
+  const S* gp = g.data_ptr<S>();
+  const S* up_ = u.data_ptr<S>();
+  S* op = out.data_ptr<S>();
+  at::parallel_for(0, static_cast<int64_t>(g_rows.size()), kGrain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scratch(2 * n);
+    auto vec = [act](float* v, int64_t len) { act_in_place(v, len, act); };
+    for (int64_t r = r0; r < r1; ++r)
+      half_fused::act_mul_row(gp + g_rows[r], up_ + u_rows[r], op + r * n, n, vec, scratch.data());
+  });
+}
+
 // gate, up (..., I), last dim contiguous (row strides free) -> act(gate) * up (..., I) contiguous.
 at::Tensor act_and_mul(const at::Tensor& gate, const at::Tensor& up, int64_t act) {
   TORCH_CHECK(gate.sizes() == up.sizes() && gate.dim() >= 1, "act_and_mul: gate and up of one shape expected, got ",
               gate.sizes(), " and ", up.sizes());
-  TORCH_CHECK(gate.scalar_type() == up.scalar_type() && (gate.scalar_type() == at::kFloat ||
-              gate.scalar_type() == at::kDouble), "act_and_mul: float32 / float64 gate and up of one dtype");
+  const auto dtype = gate.scalar_type();
+  TORCH_CHECK(dtype == up.scalar_type() && (dtype == at::kFloat || dtype == at::kDouble || is_half(dtype)),
+              "act_and_mul: float32 / float64 / bfloat16 / float16 gate and up of one dtype");
   TORCH_CHECK(act == 0 || act == 1, "act_and_mul: act is 0 (silu) or 1 (gelu tanh), got ", act);
   at::Tensor out = at::empty(gate.sizes(), gate.options());
   if (gate.numel() == 0) return out;
@@ -205,6 +265,13 @@ at::Tensor act_and_mul(const at::Tensor& gate, const at::Tensor& up, int64_t act
   const std::vector<int64_t> g_rows = row_offsets(g), u_rows = row_offsets(u);
   const int64_t n = g.size(-1);
   const int a = static_cast<int>(act);
+  if (is_half(dtype)) {
+    if (dtype == at::kBFloat16)
+      act_and_mul_half<c10::BFloat16>(g, u, out, g_rows, u_rows, a);
+    else
+      act_and_mul_half<c10::Half>(g, u, out, g_rows, u_rows, a);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES(gate.scalar_type(), "act_and_mul", [&] {
     const scalar_t* gp = g.data_ptr<scalar_t>();
     const scalar_t* up_ = u.data_ptr<scalar_t>();
@@ -249,18 +316,29 @@ void small_linear_cols(const float* x, int64_t m, const float* w, int64_t k, flo
 at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x_in.dim() >= 1 && w_in.dim() == 2 && w_in.size(1) == x_in.size(-1),
               "small_linear: x (..., K) and w (N, K) expected, got ", x_in.sizes(), " and ", w_in.sizes());
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat,
-              "small_linear: float32 x and w expected");
+  const auto dtype = x_in.scalar_type();
+  TORCH_CHECK(w_in.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
+              "small_linear: float32 / bfloat16 / float16 x and w of one dtype expected");
   const bool has_bias = bias.has_value() && bias->defined();
   const int64_t k = w_in.size(1), n = w_in.size(0);
-  TORCH_CHECK(!has_bias || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat),
-              "small_linear: bias (N,) float32 expected, got ", has_bias ? bias->sizes() : at::IntArrayRef());
+  TORCH_CHECK(!has_bias || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == dtype),
+              "small_linear: bias (N,) of x's dtype expected, got ", has_bias ? bias->sizes() : at::IntArrayRef());
   const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor out = at::empty(shape, x.options());
   if (out.numel() == 0) return out;
   const int64_t m = out.numel() / n;  // rows (K may be 0: then every output is the bias, or 0)
+  if (dtype != at::kFloat) {
+    const at::Tensor b32 = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    const float* bp = has_bias ? b32.data_ptr<float>() : nullptr;
+    if (dtype == at::kBFloat16)
+      half_linear::linear(x.data_ptr<c10::BFloat16>(), m, w.data_ptr<c10::BFloat16>(), k, bp,
+                          out.data_ptr<c10::BFloat16>(), n);
+    else
+      half_linear::linear(x.data_ptr<c10::Half>(), m, w.data_ptr<c10::Half>(), k, bp, out.data_ptr<c10::Half>(), n);
+    return out;
+  }
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -300,6 +378,30 @@ void rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, a
   });
 }
 
+// rotate() for bfloat16 / float16 (half_fused.h): each row's cos / sin widened once per (b, l).
+template <typename S>
+void rotate_half(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  const int64_t B = x.size(0), L = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
+  const int64_t xb = x.stride(0), xl = x.stride(1), xh = x.stride(2);
+  const int64_t cb = cos.size(0) == 1 ? 0 : cos.stride(0), cl = cos.stride(1);
+  const int64_t sb = sin.size(0) == 1 ? 0 : sin.stride(0), sl = sin.stride(1);
+  const S* xp = x.data_ptr<S>();
+  const S* cp = cos.data_ptr<S>();
+  const S* sp = sin.data_ptr<S>();
+  S* op = out.data_ptr<S>();
+  at::parallel_for(0, B * L, kGrain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> cs(2 * D), scratch(3 * D);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / L, l = r % L;
+      widen(cp + b * cb + l * cl, cs.data(), D);
+      widen(sp + b * sb + l * sl, cs.data() + D, D);
+      for (int64_t h = 0; h < H; ++h)
+        half_fused::rotate_row(xp + b * xb + l * xl + h * xh, cs.data(), cs.data() + D, op + (r * H + h) * D, half,
+                               scratch.data());
+    }
+  });
+}
+
 at::Tensor rotate_one(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, int64_t unsqueeze_dim) {
   const at::Tensor x = unsqueeze_dim == 1 ? x_in.transpose(1, 2) : x_in;  // (B, L, H, D)
   TORCH_CHECK(x.size(0) == cos.size(0) || cos.size(0) == 1, "rotary: cos / sin batch ", cos.size(0),
@@ -308,7 +410,11 @@ at::Tensor rotate_one(const at::Tensor& x_in, const at::Tensor& cos, const at::T
               "rotary: cos / sin (B, L, D) do not match q / k ", x_in.sizes(), " with unsqueeze_dim ", unsqueeze_dim);
   const at::Tensor xs = x.stride(3) == 1 ? x : x.contiguous();
   at::Tensor out = at::empty(xs.sizes(), xs.options());
-  if (out.numel() > 0)
+  if (out.numel() > 0 && x.scalar_type() == at::kBFloat16)
+    rotate_half<c10::BFloat16>(xs, cos, sin, out);
+  else if (out.numel() > 0 && x.scalar_type() == at::kHalf)
+    rotate_half<c10::Half>(xs, cos, sin, out);
+  else if (out.numel() > 0)
     AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rotary", [&] { rotate<scalar_t>(xs, cos, sin, out); });
   return unsqueeze_dim == 1 ? out.transpose(1, 2) : out;
 }
@@ -324,7 +430,8 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(cos_in.size(2) % 2 == 0, "rotary: the head dim must be even, got ", cos_in.size(2));
   const auto dtype = q.scalar_type();
   TORCH_CHECK(k.scalar_type() == dtype && cos_in.scalar_type() == dtype && sin_in.scalar_type() == dtype &&
-              (dtype == at::kFloat || dtype == at::kDouble), "rotary: float32 / float64 q, k, cos, sin of one dtype");
+              (dtype == at::kFloat || dtype == at::kDouble || is_half(dtype)),
+              "rotary: float32 / float64 / bfloat16 / float16 q, k, cos, sin of one dtype");
   const at::Tensor cos = cos_in.stride(2) == 1 ? cos_in : cos_in.contiguous();
   const at::Tensor sin = sin_in.stride(2) == 1 ? sin_in : sin_in.contiguous();
   return {rotate_one(q, cos, sin, unsqueeze_dim), rotate_one(k, cos, sin, unsqueeze_dim)};
@@ -340,7 +447,7 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
 #define FLASHPAGE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 
 FLASHPAGE_LIBRARY(FLASHPAGE_FUSED_NS, m) {
-  m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps, float offset, bool round_normed=True) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("act_and_mul(Tensor gate, Tensor up, int act) -> Tensor");
   m.impl("act_and_mul", c10::DispatchKey::CPU, TORCH_FN(act_and_mul));

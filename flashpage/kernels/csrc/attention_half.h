@@ -1,0 +1,155 @@
+// bfloat16 / float16 paged attention (included by cpu_attention.cpp after its generic float32 tile helpers and
+// Task / plan_tasks): the generic tile's float32 arithmetic (attend_tile: per-key scores for decode tiles, one GEMM
+// per page for tiles of kGemmRows or more (query, head) rows, the online softmax in float32) on widened copies: the
+// tile's queries (times the softmax factor) once, and per page the K / V rows of the tile's KV head that some row
+// sees, widened into per-thread float32 scratch (each key / value row is read from memory once per tile, as the
+// float32 loops read them). The output is rounded to the query's dtype once; the log-sum-exp stays float32 (as
+// flash-attn returns it for half inputs).
+#pragma once
+
+#include "half.h"
+
+namespace half_attention {
+
+template <typename S>
+struct HalfArgs {
+  const S* q;   // (T, H, D) at f.q_t / f.q_h
+  const S* k;   // (NB, P, Hk, D) at f.k_b / f.k_p / f.k_h
+  const S* v;   // (NB, P, Hk, Dv)
+  S* out;       // (T, H, Dv) at f.o_t / f.o_h
+  Args<float> f;  // every other field (its q / k / v / out pointers unused); f.lse float32, f.sinks float32
+};
+
+// Work's query rows, running max / sum and accumulators for rows i0 .. i1-1 of sequence b, KV head hk.
+template <typename S>
+void start(const HalfArgs<S>& h, int64_t b, int64_t hk, int64_t i0, int64_t i1, Work<float>& w) {
+  const Args<float>& a = h.f;
+  const int64_t group = a.heads / a.kv_heads, d = a.d;
+  size_rows(w, (i1 - i0) * group, d, a.dv);
+  for (int64_t i = i0; i < i1; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = (i - i0) * group + g, head = hk * group + g;
+      float* dst = w.q.data() + r * d;
+      widen(h.q + (a.cu_q[b] + i) * a.q_t + head * a.q_h, dst, d);
+      for (int64_t x = 0; x < d; ++x) dst[x] *= a.factor;
+      w.m[r] = a.sinks ? a.sinks[head] : -std::numeric_limits<float>::infinity();
+      w.l[r] = a.sinks ? 1.0f : 0.0f;
+      std::fill_n(w.acc.data() + r * a.dv, a.dv, 0.0f);
+    }
+}
+
+// out rows = S(acc / l) (0 where a row saw no key and no sink), lse = m + log(l) (+inf without keys).
+template <typename S>
+void finish(const HalfArgs<S>& h, int64_t b, int64_t hk, int64_t i0, int64_t i1, Work<float>& w) {
+  const Args<float>& a = h.f;
+  const int64_t group = a.heads / a.kv_heads, dv = a.dv;
+  for (int64_t i = i0; i < i1; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = (i - i0) * group + g, head = hk * group + g;
+      float* o = w.acc.data() + r * dv;
+      const float inv = w.l[r] > 0 ? 1.0f / w.l[r] : 0.0f;
+      for (int64_t x = 0; x < dv; ++x) o[x] *= inv;
+      narrow(o, h.out + (a.cu_q[b] + i) * a.o_t + head * a.o_h, dv);
+      a.lse[(a.cu_q[b] + i) * a.heads + head] =
+          w.l[r] > 0 ? w.m[r] + std::log(w.l[r]) : std::numeric_limits<float>::infinity();
+    }
+}
+
+// Rows n of K (or V) for KV head hk from page row `first` of block blk, widened into dst (n, width) contiguous.
+template <typename S>
+inline void widen_rows(const S* base, int64_t blk_stride, int64_t row_stride, int64_t head_stride, int64_t blk,
+                       int64_t hk, int64_t first, int64_t n, int64_t width, float* dst) {
+  const S* src = base + blk * blk_stride + hk * head_stride + first * row_stride;
+  for (int64_t j = 0; j < n; ++j) widen(src + j * row_stride, dst + j * width, width);
+}
+
+// Scores, softmax and P.V of the GEMM-sized tile rows on one page's widened keys kf (n, d) / values vf (n, dv).
+void page_gemm(const Args<float>& a, int64_t i0, int64_t i1, int64_t shift, int64_t j0, int64_t j1, const float* kf,
+               const float* vf, Work<float>& w) {
+  const int64_t group = a.heads / a.kv_heads, rows = (i1 - i0) * group, n = j1 - j0, d = a.d, dv = a.dv;
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  auto qt = at::from_blob(w.q.data(), {rows, d}, opts);
+  auto kt = at::from_blob(const_cast<float*>(kf), {n, d}, opts);
+  auto vt = at::from_blob(const_cast<float*>(vf), {n, dv}, opts);
+  auto st = at::from_blob(w.s.data(), {rows, n}, opts);
+  auto ot = at::from_blob(w.acc.data(), {rows, dv}, opts);
+  at::mm_out(st, qt, kt.t());
+  for (int64_t i = i0; i < i1; ++i) {
+    int64_t s0, s1;
+    row_span(a, i, shift, j0, j1, s0, s1);
+    for (int64_t g = 0; g < group; ++g) {
+      float* srow = w.s.data() + ((i - i0) * group + g) * n;
+      if (s0 >= s1) {
+        std::fill(srow, srow + n, 0.0f);
+        continue;
+      }
+      if (a.softcap > 0)
+        for (int64_t j = s0 - j0; j < s1 - j0; ++j) srow[j] = a.softcap * std::tanh(srow[j]);
+      softmax_update(w, (i - i0) * group + g, dv, srow + (s0 - j0), s1 - s0, true);
+      std::fill(srow, srow + (s0 - j0), 0.0f);
+      std::fill(srow + (s1 - j0), srow + n, 0.0f);
+    }
+  }
+  ot.addmm_(st, vt);
+}
+
+// The few-row tile on one page's widened keys / values: per query row, the group's scores per key.
+void page_rows(const Args<float>& a, int64_t i0, int64_t i1, int64_t shift, int64_t j0, int64_t j1, const float* kf,
+               const float* vf, Work<float>& w) {
+  const int64_t group = a.heads / a.kv_heads, d = a.d, dv = a.dv;
+  for (int64_t i = i0; i < i1; ++i) {
+    int64_t s0, s1;
+    row_span(a, i, shift, j0, j1, s0, s1);
+    if (s0 >= s1) continue;
+    const int64_t n_i = s1 - s0, r0 = (i - i0) * group;
+    const float* k0 = kf + (s0 - j0) * d;
+    if (!qk_rows_vec(true, w.q.data() + r0 * d, group, k0, d, n_i, d, w.s.data()))
+      for (int64_t j = 0; j < n_i; ++j)
+        for (int64_t g = 0; g < group; ++g) w.s[g * n_i + j] = dot(w.q.data() + (r0 + g) * d, k0 + j * d, d);
+    if (a.softcap > 0)
+      for (int64_t x = 0; x < group * n_i; ++x) w.s[x] = a.softcap * std::tanh(w.s[x]);
+    for (int64_t g = 0; g < group; ++g) softmax_update(w, r0 + g, dv, w.s.data() + g * n_i, n_i, true);
+    pv_rows_vec(true, w.acc.data() + r0 * dv, w.s.data(), vf + (s0 - j0) * dv, dv, group, n_i, dv);
+  }
+}
+
+// Rows i0 .. i1-1 of sequence b, KV head hk: every visible page's K / V rows widened once, then the float32 tile.
+template <typename S>
+void attend_tile(const HalfArgs<S>& h, int64_t b, int64_t hk, int64_t i0, int64_t i1, Work<float>& w,
+                 std::vector<float>& kv) {
+  const Args<float>& a = h.f;
+  const int64_t group = a.heads / a.kv_heads, rows = (i1 - i0) * group;
+  const int64_t shift = a.seqlens_k[b] - (a.cu_q[b + 1] - a.cu_q[b]);
+  const bool gemm = rows >= kGemmRows;
+  start(h, b, hk, i0, i1, w);
+  w.s.resize((gemm ? rows : group) * a.page);
+  kv.resize(a.page * (a.d + a.dv));
+  float* kf = kv.data();
+  float* vf = kv.data() + a.page * a.d;
+  int64_t lo, hi;
+  tile_keys(a, b, i0, i1, lo, hi);
+  const int64_t* table = a.table + b * a.table_b;
+  for (int64_t p = lo / a.page; p * a.page < hi; ++p) {
+    const int64_t j0 = std::max(lo, p * a.page), j1 = std::min(hi, (p + 1) * a.page), n = j1 - j0;
+    widen_rows(h.k, a.k_b, a.k_p, a.k_h, table[p], hk, j0 - p * a.page, n, a.d, kf);
+    widen_rows(h.v, a.v_b, a.v_p, a.v_h, table[p], hk, j0 - p * a.page, n, a.dv, vf);
+    if (gemm)
+      page_gemm(a, i0, i1, shift, j0, j1, kf, vf, w);
+    else
+      page_rows(a, i0, i1, shift, j0, j1, kf, vf, w);
+  }
+  finish(h, b, hk, i0, i1, w);
+}
+
+// Every tile of the call: one task per (query tile, KV head), at::parallel_for over them.
+template <typename S>
+void run(const HalfArgs<S>& h, int64_t batch) {
+  const std::vector<Task> tasks = plan_tasks(h.f, batch, false);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    Work<float> w;
+    std::vector<float> kv;
+    for (int64_t t = begin; t < end; ++t) attend_tile(h, tasks[t].b, tasks[t].h0, tasks[t].i0, tasks[t].i1, w, kv);
+  });
+}
+
+}  // namespace half_attention

@@ -1,0 +1,93 @@
+// Half-precision (bfloat16 / float16) loads and stores for flashpage's CPU extensions: rows of c10::BFloat16 /
+// c10::Half widened to float32 (the math of every half-precision op here is float32, as flash-attn and oneDNN
+// accumulate), and float32 rounded back to nearest-even on store (c10's conversions: what torch's own
+// .to(bfloat16) / .to(float16) do). Vector paths are picked at compile time by the compiler's macros
+// (__AVX512F__, __AVX512BW__, __AVX512BF16__, __F16C__: -march=native on the machine that builds it); without them
+// the scalar c10 conversions run, with identical results.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+template <typename S>
+inline constexpr bool kIsHalf = std::is_same_v<S, c10::BFloat16> || std::is_same_v<S, c10::Half>;
+
+// dst[0, n) = float(src[0, n)): exact (every bfloat16 / float16 value is a float32).
+template <typename S>
+inline void widen(const S* __restrict src, float* __restrict dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    for (; i + 16 <= n; i += 16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+      _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+  } else {
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// 16 float32 lanes rounded to nearest-even in S, as 16 x 16 bits (NaN: the quiet NaN c10 gives, 0x7FC0 / 0x7E00).
+template <typename S>
+inline __m256i to_half16(__m512 v) {
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+  } else {
+    return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+}
+#endif
+
+// dst[0, n) = round-to-nearest-even(src[0, n)) (NaN stays NaN).
+template <typename S>
+inline void narrow(const float* __restrict src, S* __restrict dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), to_half16<S>(_mm512_loadu_ps(src + i)));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<S>(src[i]);
+}
+
+// src[0, n) rounded to S and back to float32 in place (an op's result as transformers' half-precision op gives it).
+template <typename S>
+inline void round_through(float* __restrict v, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = to_half16<S>(_mm512_loadu_ps(v + i));
+    if constexpr (std::is_same_v<S, c10::BFloat16>)
+      _mm512_storeu_ps(v + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    else
+      _mm512_storeu_ps(v + i, _mm512_cvtph_ps(h));
+  }
+#endif
+  for (; i < n; ++i) v[i] = static_cast<float>(static_cast<S>(v[i]));
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FLASHPAGE_HALF_AVX512 1
+// 16 halves at p (mask m: lanes to load, the others 0) widened to float32.
+template <typename S>
+inline __m512 load16(const S* p, __mmask16 m = 0xFFFF) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  if constexpr (std::is_same_v<S, c10::BFloat16>)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  else
+    return _mm512_cvtph_ps(h);
+}
+#endif

@@ -1,0 +1,157 @@
+// x (m, k) . w (n, k)^T for bfloat16 / float16 x and w with few rows (decode steps), float32 sums rounded to the
+// output dtype once (the bias added in float32 first), each weight row read from memory once for all rows:
+// - bfloat16 on a build with __AVX512BF16__: tiles of R <= 4 rows x U <= 4 weight rows, 32 products per
+//   vdpbf16ps (each bfloat16 product is exact in float32, summed in float32), 16 accumulators in registers;
+// - bfloat16 / float16 on an AVX-512 build without it: the same tiles, 16 halves widened to float32 and FMA'd;
+// - otherwise: rows widened to float32 once, then float32 dot products (dot() in common.h).
+// Included by cpu_fused.cpp (after common.h and half.h).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <vector>
+
+#include "common.h"
+#include "half.h"
+
+namespace half_linear {
+
+constexpr int64_t kWideRows = 8;  // calls of at most this many rows take blocks of eight weight rows
+
+#if defined(FLASHPAGE_HALF_AVX512)
+inline __mmask32 mask32(int64_t n) { return n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1; }
+inline __mmask16 mask16(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
+
+// sums[r * U + u] = x row r . w row u over k for an R x U tile (x and w rows at stride k); R * U accumulators
+// stay in registers (one flat array, fully unrolled: GCC keeps a 2-D one on the stack). The U weight rows after
+// the tile's (the next column block: streamed from memory) are prefetched as the tile's rows are read.
+#if defined(__AVX512BF16__)
+template <int R, int U>
+inline void tile_sums_dp(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k, float* sums) {
+  __m512 acc[R * U];
+#pragma GCC unroll 16
+  for (int i = 0; i < R * U; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 32) {
+    const __mmask32 m = mask32(k - c);
+    __m512i wv[U];
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) {
+      wv[u] = _mm512_maskz_loadu_epi16(m, w + u * k + c);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (u + U) * k + c), _MM_HINT_T0);  // the next block's rows
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_maskz_loadu_epi16(m, x + r * k + c);
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) acc[r * U + u] = _mm512_dpbf16_ps(acc[r * U + u], (__m512bh)xv, (__m512bh)wv[u]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R * U; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
+}
+#endif
+
+template <typename S, int R, int U>
+inline void tile_sums_fma(const S* x, const S* w, int64_t k, float* sums) {
+  __m512 acc[R * U];
+#pragma GCC unroll 16
+  for (int i = 0; i < R * U; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 16) {
+    const __mmask16 m = mask16(k - c);
+    __m512 wv[U];
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) {
+      wv[u] = load16(w + u * k + c, m);
+      if (c % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (u + U) * k + c), _MM_HINT_T0);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = load16(x + r * k + c, m);
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) acc[r * U + u] = _mm512_fmadd_ps(xv, wv[u], acc[r * U + u]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R * U; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+template <typename S, int R, int U>
+inline void tile_sums(const S* x, const S* w, int64_t k, float* sums) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<S, c10::BFloat16>) return tile_sums_dp<R, U>(x, w, k, sums);
+#endif
+  tile_sums_fma<S, R, U>(x, w, k, sums);
+}
+
+// Rows [0, m) of the U weight rows at w (columns j .. j+U-1 of out), R = 4 rows at a time then the rest.
+template <typename S, int U>
+inline void column_block(const S* x, int64_t m, const S* w, int64_t k, float* sums, int64_t ld) {
+  float t[4 * U];
+  int64_t r = 0;
+  for (; r + 4 <= m; r += 4) {
+    tile_sums<S, 4, U>(x + r * k, w, k, t);
+    for (int i = 0; i < 4; ++i) std::copy_n(t + i * U, U, sums + (r + i) * ld);
+  }
+  const int64_t left = m - r;
+  if (left == 0) return;
+  if (left == 1) tile_sums<S, 1, U>(x + r * k, w, k, t);
+  if (left == 2) tile_sums<S, 2, U>(x + r * k, w, k, t);
+  if (left == 3) tile_sums<S, 3, U>(x + r * k, w, k, t);
+  for (int64_t i = 0; i < left; ++i) std::copy_n(t + i * U, U, sums + (r + i) * ld);
+}
+#endif
+
+// sums (m, j1 - j0) float32 (row stride ld) of x . w^T for the weight rows [j0, j1).
+template <typename S>
+void column_sums(const S* x, int64_t m, const S* w, int64_t k, int64_t j0, int64_t j1, float* sums, int64_t ld) {
+#if defined(FLASHPAGE_HALF_AVX512)
+  int64_t j = j0;
+  for (; m <= kWideRows && j + 8 <= j1; j += 8) {  // few rows: eight weight rows in flight (memory-bound)
+    for (int64_t r = 0; r < m; r += 2) {  // the later row pairs find the eight rows in L1
+      float t[16];
+      if (m - r == 1)
+        tile_sums<S, 1, 8>(x + r * k, w + j * k, k, t);
+      else
+        tile_sums<S, 2, 8>(x + r * k, w + j * k, k, t);
+      for (int64_t i = 0; i < std::min<int64_t>(2, m - r); ++i) std::copy_n(t + i * 8, 8, sums + (r + i) * ld + (j - j0));
+    }
+  }
+  for (; j + 4 <= j1; j += 4) column_block<S, 4>(x, m, w + j * k, k, sums + (j - j0), ld);
+  for (; j < j1; ++j) column_block<S, 1>(x, m, w + j * k, k, sums + (j - j0), ld);
+#else
+  std::vector<float> xf(m * k), wf(k);
+  widen(x, xf.data(), m * k);
+  for (int64_t j = j0; j < j1; ++j) {
+    widen(w + j * k, wf.data(), k);
+    for (int64_t r = 0; r < m; ++r) sums[r * ld + (j - j0)] = dot(xf.data() + r * k, wf.data(), k);
+  }
+#endif
+}
+
+// out (m, n) in S = round(x . w^T + bias) for the weight rows [j0, j1), through a float32 block of sums.
+template <typename S>
+void linear_cols(const S* x, int64_t m, const S* w, int64_t k, const float* bias, S* out, int64_t n, int64_t j0,
+                 int64_t j1) {
+  constexpr int64_t kBlock = 64;  // output columns per float32 block of sums
+  std::vector<float> sums(m * kBlock);
+  for (int64_t c0 = j0; c0 < j1; c0 += kBlock) {
+    const int64_t c1 = std::min(j1, c0 + kBlock), width = c1 - c0;
+    column_sums(x, m, w, k, c0, c1, sums.data(), kBlock);
+    for (int64_t r = 0; r < m; ++r) {
+      float* row = sums.data() + r * kBlock;
+      if (bias != nullptr)
+        for (int64_t j = 0; j < width; ++j) row[j] += bias[c0 + j];
+      narrow(row, out + r * n + c0, width);
+    }
+  }
+}
+
+// x (m, k), w (n, k) contiguous, bias float32 (n,) or nullptr -> out (m, n), over at::parallel_for column blocks.
+template <typename S>
+void linear(const S* x, int64_t m, const S* w, int64_t k, const float* bias, S* out, int64_t n) {
+  at::parallel_for(0, (n + 63) / 64, 4, [&](int64_t b0, int64_t b1) {
+    linear_cols(x, m, w, k, bias, out, n, b0 * 64, std::min(n, b1 * 64));
+  });
+}
+
+}  // namespace half_linear

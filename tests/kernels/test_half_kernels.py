@@ -1,0 +1,186 @@
+"""bfloat16 / float16 in the one-pass C++ CPU ops (flashpage/kernels/cpu_fused.py) and the engine's linears.
+
+Every op against a float64 oracle on random shapes, with the tolerance its rounding gives: the inputs are exact in
+float64, the ops compute in float32 and round to the dtype where transformers' modules round, so the error is a
+few rounding steps of the dtype (``eps``: 2^-7 bfloat16, 2^-10 float16) of the magnitudes involved, plus float32's
+summation error for the linear. Then the same ops against transformers' own half-precision modules (RMSNorm,
+silu-and-mul, rotary): the same bits, up to float32 rounding of an intermediate (at most one step, in a few
+elements). Each runs on the engine's build (-march=native), the portable build (plain loops: CPUs without AVX-512)
+and, on x86-64, a -march=native build without AVX-512 BF16 (the widened-FMA linear). The half-precision attention
+kernel is in test_kernels_cpu.py (its hypothesis cases draw bfloat16 / float16 too).
+"""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flashpage.engine import linears
+from flashpage.kernels import cpu_fused
+
+pytestmark = [pytest.mark.skipif(cpu_fused.status().name != "cpp", reason="no C++ compiler / ninja here"),
+              pytest.mark.usefixtures("one_thread")]
+
+HALF = [torch.bfloat16, torch.float16]
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@pytest.fixture(scope="module", params=["native", "portable", "no_bf16"])
+def ops(request) -> cpu_fused.Ops:
+    """The engine's build, the portable one, and (x86-64) -march=native without AVX-512 BF16."""
+    if request.param == "no_bf16" and not _X86:
+        pytest.skip("an x86-64 build flavour")
+    if request.param != "native":
+        return cpu_fused._build(portable=True if request.param == "portable" else "no_bf16")
+    built = cpu_fused.load()
+    assert built is not None
+    return built
+
+
+def _eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+def _sub(dtype: torch.dtype) -> float:
+    """Four steps of the dtype's subnormal range (the absolute error of a rounding below its normal range)."""
+    return 4 * torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+
+
+def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float64 tensor rounded to ``dtype`` and back (a rounding point of transformers' half-precision ops)."""
+    return t.to(dtype).double()
+
+
+@SETTINGS
+@given(rows=st.integers(1, 12), k=st.sampled_from([1, 7, 16, 31, 32, 33, 100, 1024]),
+       n=st.sampled_from([1, 3, 4, 5, 64, 65, 130]), bias=st.booleans(), dtype=st.sampled_from(HALF),
+       seed=st.integers(0, 999))
+def test_small_linear_matches_float64(ops, rows, k, n, bias, dtype, seed):
+    """float32 sums of exact products, rounded once: |err| <= eps/2 |want| (the rounding) + float32's summation
+    error (k * 2^-24 * |x| @ |w|^T, bounded loosely)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    want = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    got = cpu_fused.small_linear(ops, x, w, b)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    bound = _eps(dtype) / 2 * want.abs() + k * 2**-22 * (x.double().abs() @ w.double().abs().T) + _sub(dtype)
+    assert bool(((got.double() - want).abs() <= bound).all())
+
+
+@SETTINGS
+@given(lead=st.lists(st.integers(1, 4), min_size=1, max_size=2), d=st.sampled_from([1, 15, 16, 17, 64, 128, 1024]),
+       offset=st.sampled_from([0.0, 1.0]), round_normed=st.booleans(), dtype=st.sampled_from(HALF),
+       seed=st.integers(0, 999))
+def test_rms_norm_matches_float64(ops, lead, d, offset, round_normed, dtype, seed):
+    """The oracle rounds where the op says it rounds; what is left is float32's error before a rounding, which can
+    move a result by one step: |err| <= eps |want| (+ the weight times one step of the rounded normalised x)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*lead, d, generator=g) * 3 + 0.5).to(dtype)
+    w = torch.randn(d, generator=g).to(dtype)
+    x64, w64 = x.double(), w.double() + offset
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    want = _rounded(w64 * _rounded(normed, dtype), dtype) if round_normed else _rounded(normed * w64, dtype)
+    got = cpu_fused.rms_norm(ops, x, w, 1e-6, offset, round_normed)
+    assert got.dtype == dtype and got.is_contiguous()
+    bound = _eps(dtype) * (want.abs() + w64.abs() * normed.abs()) + _sub(dtype)
+    assert bool(((got.double() - want).abs() <= bound).all())
+
+
+@SETTINGS
+@given(rows=st.integers(1, 6), inner=st.sampled_from([1, 15, 16, 17, 100, 3072]),
+       act=st.sampled_from(["silu", "gelu_tanh"]), dtype=st.sampled_from(HALF), seed=st.integers(0, 999))
+def test_act_and_mul_matches_float64(ops, rows, inner, act, dtype, seed):
+    """o = S(S(act(g)) * u) on the two halves of one fused gate|up output: within two rounding steps of the exact
+    act(g) * u (plus 1e-5 |g u|: gelu's float32 1 + tanh(y) cancels for large negative g)."""
+    g = torch.Generator().manual_seed(seed)
+    both = (torch.randn(rows, 2 * inner, generator=g) * 3).to(dtype)
+    gate, up = both[:, :inner], both[:, inner:]
+    g64 = gate.double()
+    a = F.silu(g64) if act == "silu" else F.gelu(g64, approximate="tanh")
+    want = a * up.double()
+    got = cpu_fused.act_and_mul(ops, gate, up, act)
+    assert got.dtype == dtype and got.shape == gate.shape
+    bound = 2 * _eps(dtype) * want.abs() + 1e-5 * (g64 * up.double()).abs() + _sub(dtype)  # 1 + tanh cancels: g << 0
+    assert bool(((got.double() - want).abs() <= bound).all())
+
+
+@SETTINGS
+@given(batch=st.integers(1, 2), length=st.integers(1, 5), heads=st.sampled_from([1, 4]),
+       d=st.sampled_from([2, 16, 128]), unsqueeze_dim=st.sampled_from([1, 2]), dtype=st.sampled_from(HALF),
+       seed=st.integers(0, 999))
+def test_rotary_matches_float64(ops, batch, length, heads, d, unsqueeze_dim, dtype, seed):
+    """``x * cos + rotate_half(x) * sin`` with each product and the sum rounded: within two steps of the exact."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, heads, length, d) if unsqueeze_dim == 1 else (batch, length, heads, d)
+    q, k = torch.randn(*shape, generator=g).to(dtype), torch.randn(*shape, generator=g).to(dtype)
+    cos = torch.randn(batch, length, d, generator=g).to(dtype)
+    sin = torch.randn(batch, length, d, generator=g).to(dtype)
+    gq, gk = cpu_fused.rotary(ops, q, k, cos, sin, unsqueeze_dim)
+    c, s = cos.double().unsqueeze(unsqueeze_dim), sin.double().unsqueeze(unsqueeze_dim)
+    for x, got in ((q, gq), (k, gk)):
+        x64 = x.double()
+        rot = torch.cat((-x64[..., d // 2:], x64[..., : d // 2]), dim=-1)
+        want = x64 * c + rot * s
+        bound = 2 * _eps(dtype) * ((x64 * c).abs() + (rot * s).abs()) + 3 * _sub(dtype)
+        assert got.dtype == dtype and bool(((got.double() - want).abs() <= bound).all())
+
+
+def _steps_apart(want: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """Per element: how many rounding steps of the dtype apart two half tensors are (0: the same bits)."""
+    step = want.float().abs() * _eps(want.dtype) + torch.finfo(want.dtype).tiny
+    return ((want.float() - got.float()).abs() / step)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_same_bits_as_transformers_modules(ops, dtype):
+    """Qwen3 / Llama RMSNorm, silu(gate) * up and apply_rotary_pos_emb in half precision: the C++ ops give the
+    modules' own results (at most one step apart in at most 1% of the elements: float32 rounding before a
+    rounding); gelu(tanh) within two steps, or 1e-5 |gate * up| where 1 + tanh cancels (its tanh is computed
+    another way)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(0)
+    norm = Qwen3RMSNorm(1024, 1e-6).to(dtype)
+    norm.weight.data = (torch.randn(1024, generator=g) * 0.5 + 1).to(dtype)
+    x = torch.randn(6, 1024, generator=g).to(dtype)
+    gate, up = (torch.randn(6, 3072, generator=g) * 3).to(dtype), torch.randn(6, 3072, generator=g).to(dtype)
+    q, k = torch.randn(2, 16, 5, 128, generator=g).to(dtype), torch.randn(2, 8, 5, 128, generator=g).to(dtype)
+    cos, sin = torch.randn(2, 5, 128, generator=g).to(dtype), torch.randn(2, 5, 128, generator=g).to(dtype)
+    wq, wk = apply_rotary_pos_emb(q, k, cos, sin)
+    gq, gk = cpu_fused.rotary(ops, q, k, cos, sin)
+    pairs = [(norm(x), cpu_fused.rms_norm(ops, x, norm.weight, 1e-6)),
+             (F.silu(gate) * up, cpu_fused.act_and_mul(ops, gate, up)), (wq, gq), (wk, gk)]
+    for want, got in pairs:
+        apart = _steps_apart(want, got)
+        assert apart.max() <= 1 and (apart > 0).float().mean() <= 0.01
+    want = F.gelu(gate, approximate="tanh") * up
+    diff = (want.float() - cpu_fused.act_and_mul(ops, gate, up, "gelu_tanh").float()).abs()
+    assert bool((diff <= 2 * _eps(dtype) * want.float().abs() + 1e-5 * (gate.float() * up.float()).abs()).all())
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_linears_take_the_small_kernel_inside_the_scope(dtype):
+    """A bfloat16 / float16 nn.Linear with the engine's forward: at most HALF_SMALL_ROWS rows run the C++ small-M
+    kernel inside the engine's scope, more rows F.linear; outside the scope always F.linear (the model computes
+    what it did); never packed (no copy of a half-precision weight)."""
+    ops = cpu_fused.load()
+    layer = torch.nn.Linear(64, 48).to(dtype)
+    assert linears.install_onednn_linears(layer) == 1
+    few = torch.randn(1, linears.HALF_SMALL_ROWS, 64).to(dtype)
+    many = torch.randn(1, linears.HALF_SMALL_ROWS + 1, 64).to(dtype)
+    packs = linears.Prepacked(layer, mode=True)
+    with torch.inference_mode():
+        for _ in range(2):  # a probe step, then a packed one
+            with linears.onednn_scope(True, packs):
+                assert torch.equal(layer(few), ops.small_linear(few, layer.weight, layer.bias))
+                assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))
+        assert torch.equal(layer(few), F.linear(few, layer.weight, layer.bias))
+    assert packs.nbytes() == 0

@@ -24,15 +24,16 @@ import torch
 
 from flashpage.cache import KVGroup, PagedKVCache, default_block_size
 from flashpage.cpu_memory import tune_malloc
-from flashpage.engine import prompt_logprobs, spec_grammar
+from flashpage.engine import chat, prompt_logprobs, spec_grammar
 from flashpage.engine.compiled import CompiledDecode, CompiledStep
+from flashpage.engine.config import EngineConfig
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, step_digest, tp_info
 from flashpage.engine.flat import FlatDecoder
 from flashpage.engine.generation_config import ModelProcessors, config_diff, sampling_defaults, unapplied_fields
-from flashpage.engine.generation_config import check_mode as check_generation_mode
 from flashpage.engine.limits import context_overflow
-from flashpage.engine.linears import Prepacked, check_prepack_mode
-from flashpage.engine.loading import as_device, as_dtype, check_device, load_model
+from flashpage.engine.linears import Prepacked
+from flashpage.engine.loading import as_device, as_dtype, load_model
+from flashpage.engine.multimodal import ImageEncoder, image_refusal, load_processor, split_multimodal, split_processor
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.positions import EnginePositions
@@ -46,7 +47,6 @@ from flashpage.engine.spec_verify import record_logprobs, verify
 from flashpage.engine.states import StateSlots, recurrent_states_of, restart_from_scratch
 from flashpage.engine.structured import GrammarEngine, StructuredOutputsParams
 from flashpage.engine.weights import WeightWatcher, forget_kv
-from flashpage.errors import check_positive_ints
 from flashpage.patches import HFPagedCache, is_patched, patch, unpatch
 from flashpage.patches.checks import engine_refusal_reason
 from flashpage.patches.compat import require_supported_transformers
@@ -100,6 +100,7 @@ class LLM:
     Args:
         model: a transformers causal LM, or a path / hub id loaded with ``from_pretrained``.
         tokenizer: needed for text prompts and output text (loaded with the model from a path).
+            A vision-language model's processor may be given here too (its tokenizer is used for text).
         block_size: tokens per KV page (default 16; 256 where flash-attn 2 is the kernel).
         num_blocks: KV pages; default: from ``kv_cache_memory``, else on CUDA from free memory, else on CPU
             what ``max_num_seqs`` sequences of ``max_model_len`` tokens need (at most 1 GiB). A pool
@@ -134,6 +135,10 @@ class LLM:
             "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m,
             "disable_by_batch_size": b}``, or a draft model ``{"model": PATH_OR_MODEL, "num_speculative_tokens": k}``
             (engine/spec_draft.py); outputs keep the target model's distribution (greedy: its tokens).
+        processor: a vision-language model's processor (``AutoProcessor``), for prompts with images
+            (``{"prompt": text, "multi_modal_data": {"image": image_or_list}}``) and :meth:`chat` with image
+            parts; loaded with the model from a path that has one. See engine/multimodal.py for the model
+            types that take images.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, block_size: int | None = None,
@@ -144,12 +149,21 @@ class LLM:
                  check_invariants: bool = False, compile: bool | None = None,
                  max_prefill_with_decodes: int | None = None, tensor_parallel_size: int | None = None,
                  generation_config: str = "auto", cpu_prepack: bool | str = "auto",
-                 speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None) -> None:
+                 speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
+                 processor: Any = None) -> None:
         require_supported_transformers()  # before loading anything: say at once why not
-        check_device(device)
-        spec_config = SpeculativeConfig.parse(speculative_config)
-        generation_config = check_generation_mode(generation_config)
-        cpu_prepack = check_prepack_mode(cpu_prepack)
+        self.config = EngineConfig(  # every option checked here, once, before the model loads
+            block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len, dtype=dtype, device=device, check_invariants=check_invariants,
+            compile=compile, max_prefill_with_decodes=max_prefill_with_decodes,
+            tensor_parallel_size=tensor_parallel_size, generation_config=generation_config, cpu_prepack=cpu_prepack,
+            speculative_config=speculative_config)
+        spec_config = self.config.speculative_config
+        generation_config, cpu_prepack = self.config.generation_config, self.config.cpu_prepack
+        tokenizer, processor = split_processor(tokenizer, processor)  # images: engine/multimodal.py
+        path = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
         if isinstance(model, (str, os.PathLike)):
             model, tokenizer = load_model(model, dtype=dtype, device=device, tokenizer=tokenizer,
                                           tensor_parallel_size=tensor_parallel_size, label=f"LLM({os.fspath(model)!r})")
@@ -157,12 +171,10 @@ class LLM:
             _check_model_placement(model, dtype, device)
             if tensor_parallel_size is not None:
                 check_tp_size(model, tensor_parallel_size)
-        defaults_allowed = {"block_size": block_size, "num_blocks": num_blocks, "max_model_len": max_model_len,
-                            "max_prefill_with_decodes": max_prefill_with_decodes}
-        check_positive_ints("LLM: ", {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                                      **{k: v for k, v in defaults_allowed.items() if v is not None}})
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.processor = processor if processor is not None or path is None else load_processor(path, model)
+        self._image_encoder: ImageEncoder | None = None  # made by the first request with images
         was_patched = is_patched(self.model)
         patch(self.model)
         try:
@@ -466,6 +478,23 @@ class LLM:
                     if not g.finished:
                         self._abort_here(g)
 
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: Any = None,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: a conversation (a list of ``{"role", "content"}`` messages) or a list of them,
+        rendered by the chat template (the tokenizer's, or ``chat_template``) and generated; outputs in input
+        order. Content is a string or a list of parts: text, and with a processor images (``{"type": "image",
+        "image": PIL}`` or ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``); see
+        engine/chat.py."""
+        prompts = [chat.render(conv, self.tokenizer, self.processor, chat_template=chat_template,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, tools=tools,
+                               chat_template_kwargs=chat_template_kwargs)
+                   for conv in chat.conversations(messages)]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def reset_prefix_cache(self) -> bool:
         """Forget all KV computed so far (as vLLM's): the prefix cache is emptied and running requests
         are recomputed from their tokens at their next step. The engine does this by itself when it
@@ -473,6 +502,7 @@ class LLM:
         see (writes through ``param.data`` in place). Returns True."""
         forget_kv(self.scheduler, self.kv)
         self.runner.refresh_weights(everything=True)
+        self._encode_images_again()
         return True
 
     @property
@@ -485,6 +515,7 @@ class LLM:
         if self.runner.weights_changed(full=full):
             forget_kv(self.scheduler, self.kv)
             self.runner.refresh_weights()  # repack what changed; the flat step is verified again
+            self._encode_images_again()
 
     # ---------------------------------------------------------------- inner
     def _exclusive(self, what: str):
@@ -542,16 +573,21 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a flashpage.SamplingParams, got {type(params).__name__}")
         params.__post_init__()  # re-validate: fields may have been changed after construction
-        text, ids = self._tokenize(prompt)
+        image_inputs = None
+        if isinstance(prompt, Mapping) and ("multi_modal_data" in prompt or "mm_processor_kwargs" in prompt):
+            text, ids, image_inputs = self._image_prompt(prompt)
+        else:
+            text, ids = self._tokenize(prompt)
         self._validate_prompt(ids, params)
         self._check_context(len(ids), params)
+        mm = self._image_encoder.encode(ids, image_inputs) if image_inputs is not None else None
         rid = request_id if request_id is not None else self._next_id()
         if rid in self._groups:
             raise ValueError(f"request id {rid!r} is already in use")
         # a sequence can hold no more tokens than the model's positions, nor than the whole KV pool
         cap = min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
         group = Group(rid, text, ids, params, RequestMetrics(time.perf_counter()), self.tokenizer,
-                      max_total_tokens=cap)
+                      max_total_tokens=cap, mm=mm)
         seq = group.new_seq(0, ids)  # everything that can fail happens here, before anything is queued
         if params.structured_outputs is not None:
             seq.grammar = self._grammar_engine().new_matcher(params.structured_outputs)
@@ -598,6 +634,52 @@ class LLM:
         if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
             raise ValueError("a token-id prompt must be a list of ints")
         return None, ids
+
+    def _image_prompt(self, prompt: Mapping[str, Any]) -> tuple[str | None, list[int], dict[str, Any]]:
+        """vLLM's ``{"prompt": text, "multi_modal_data": {"image": PIL | [PIL, ...]}}`` (the processor applied;
+        optional ``"mm_processor_kwargs"`` passed to it) or ``{"prompt_token_ids": ids, "multi_modal_data":
+        {"image": processor_outputs}}``: (text, ids, image tensors). Models that cannot take images refused by
+        name."""
+        reason = self._image_refusal()
+        if reason is not None:
+            raise ValueError(f"flashpage.LLM cannot take images for {type(self.model).__name__} (model_type="
+                             f"{self.model.config.model_type!r}): {reason}")
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt) or "multi_modal_data" not in prompt:
+            raise ValueError(f"a prompt dict with images takes 'multi_modal_data' and exactly one of 'prompt' or "
+                             f"'prompt_token_ids' (and optionally 'mm_processor_kwargs'), got keys "
+                             f"{sorted(map(str, prompt))}")
+        images, tensors = split_multimodal(prompt["multi_modal_data"])
+        if self._image_encoder is None:
+            self._image_encoder = ImageEncoder(self.model, self.processor)
+        if "prompt" in prompt:
+            if images is None:
+                raise ValueError("pre-processed image inputs ({'image': {'pixel_values': ...}}) go with "
+                                 "'prompt_token_ids' (the processor's input_ids); a text prompt takes images")
+            if not isinstance(prompt["prompt"], str):
+                raise TypeError(f"'prompt' must be a text, got {type(prompt['prompt']).__name__}")
+            ids, inputs = self._image_encoder.process(prompt["prompt"], images,
+                                                      prompt.get("mm_processor_kwargs") or {})
+            return prompt["prompt"], ids, inputs
+        if tensors is None:
+            raise ValueError("with 'prompt_token_ids', multi_modal_data['image'] must be the processor's outputs "
+                             "for them ({'pixel_values': ..., ...}); images themselves go with a text 'prompt'")
+        _, ids = self._tokenize(prompt["prompt_token_ids"])
+        return None, ids, tensors
+
+    def _encode_images_again(self) -> None:
+        """After a weight change: the image embeddings of unfinished requests come from the new weights too."""
+        for group in self._groups.values():
+            if group.mm is not None and self._image_encoder is not None:
+                group.mm = self._image_encoder.encode(group.prompt_token_ids, group.mm.inputs)
+
+    def _image_refusal(self) -> str | None:
+        """Why this LLM cannot take images (None: it can)."""
+        if self._states is not None:
+            return "it has recurrent layers, whose steps do not take image embeddings yet"
+        if self._tp is not None:
+            return "images are not taken under tensor parallelism yet"
+        return image_refusal(self.model)
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -870,11 +952,7 @@ def _stream_deltas(group: Group) -> Iterator[StreamOutput]:
 
 
 def _from_input_dict(prompt: Mapping[str, Any]) -> str | list[int]:
-    """vLLM's input form: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``; images are refused by name."""
-    if "multi_modal_data" in prompt or "mm_processor_kwargs" in prompt:
-        raise ValueError("LLM takes no images (multi_modal_data) yet: run the model with flashpage.patch(model) and "
-                         "model.generate(**processor(images=..., text=..., return_tensors='pt')), which is exact on "
-                         "the pages for the vision-language models flashpage supports (docs/models.md)")
+    """vLLM's input form: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}`` (with images: LLM._image_prompt)."""
     unknown = set(prompt) - {"prompt", "prompt_token_ids"}
     if unknown or len(prompt) != 1:
         raise ValueError(f"a prompt dict takes exactly one of 'prompt' (text) or 'prompt_token_ids' (a list of ints), "

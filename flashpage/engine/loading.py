@@ -131,6 +131,14 @@ def _from_pretrained(name: str | os.PathLike, dtype: torch.dtype | None, tensor_
         from flashpage.engine.distributed import load_tp_model
 
         return load_tp_model(name, dtype or "auto", tensor_parallel_size, device)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
+    model_type = getattr(AutoConfig.from_pretrained(name), "model_type", None)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        # a vision-language checkpoint (LLaVA...): its image-text-to-text class (images in LLM: engine/multimodal.py)
+        return AutoModelForImageTextToText.from_pretrained(name, dtype=dtype or "auto")
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype or "auto")

@@ -35,7 +35,7 @@ from flashpage.engine.fastpath import fastpath_scope, install_fastpath
 from flashpage.engine.flat import FlatDecoder, flat_decoder
 from flashpage.engine.linears import Prepacked, install_onednn_linears, onednn_scope
 from flashpage.engine.positions import EnginePositions, honours_logits_to_keep, kept_rows
-from flashpage.engine.scheduler import Schedule
+from flashpage.engine.scheduler import Chunk, Schedule
 from flashpage.engine.states import StateSlots, continues_chunks, restart_from_scratch, stateful_forward
 from flashpage.engine.weights import WeightWatcher
 from flashpage.patches import HFPagedCache, is_patched, patch, unpatch
@@ -200,10 +200,20 @@ class ModelRunner:
         if self.states is not None:
             return self._stateful_forward(schedule, keep)
         compiled = self._compiled if not extra_rows else None
+        images = any(_carries_images(c) for c in chunks)
         try:
             self.ensure_patched()
             seq_ids = [c.seq.seq_id for c in chunks]
-            if self._compiled_step is not None and self._compiled_step.eligible(len(ids)):
+            if images:  # image rows: the model's eager forward on inputs_embeds (engine/multimodal.py)
+                plan = self.kv.plan(seq_ids, [c.num_tokens for c in chunks], allocated=True)
+                self._cache.set_plan(plan, self.device)
+                position_ids = _image_step_positions(chunks, pos).to(self.device)
+                keep_rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+                with torch.inference_mode(), self._positions_for(position_ids), \
+                        onednn_scope(self._onednn, self._prepack), fastpath_scope(self.fastpath.any):
+                    logits = self._embeds_logits(schedule, torch.tensor([ids], device=self.device), position_ids,
+                                                 keep_rows)
+            elif self._compiled_step is not None and self._compiled_step.eligible(len(ids)):
                 plan = self.kv.plan(seq_ids, [c.num_tokens for c in chunks], allocated=True)
                 with torch.inference_mode():
                     logits = self._compiled_step.forward(plan, ids, pos, keep)
@@ -274,6 +284,20 @@ class ModelRunner:
             self.flat_step = "on: verified equal to the model's forward"
         return logits
 
+    def _embeds_logits(self, schedule: Schedule, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                       keep_rows: torch.Tensor) -> torch.Tensor:
+        """A step carrying image rows: the token embedding of the step's ids (1, T) with each request's image
+        rows put back at their positions, through the model's forward as ``inputs_embeds``."""
+        embeds = self.model.get_input_embeddings()(input_ids)
+        offset = 0
+        for c in schedule.chunks:
+            if c.seq.group.mm is not None:
+                c.seq.group.mm.put(embeds[0], offset, c.start, c.start + c.num_tokens)
+            offset += c.num_tokens
+        logits = self.model(inputs_embeds=embeds, position_ids=position_ids, use_cache=True,
+                            logits_to_keep=keep_rows, **{self._cache_kwarg: self._cache}).logits[0]
+        return kept_rows(logits, keep_rows, self._keeps_logits)
+
     def _build_flat(self) -> str:
         """(Re)build the flat eager step (after a weight change: modules may have been replaced; the same
         modules keep their verified loop); says why there is none."""
@@ -315,3 +339,24 @@ class ModelRunner:
         for c in schedule.chunks:
             c.seq.num_computed = c.start + c.num_tokens
         return logits
+
+
+def _carries_images(chunk: Chunk) -> bool:
+    """Whether a chunk needs the image step: it covers image rows, or its request has M-RoPE positions."""
+    mm = chunk.seq.group.mm
+    return mm is not None and (mm.mrope is not None or mm.overlaps(chunk.start, chunk.start + chunk.num_tokens))
+
+
+def _image_step_positions(chunks: Sequence[Chunk], pos: list[int]) -> torch.Tensor:
+    """An image step's position ids: (1, T), or (3, 1, T) where a request has M-RoPE positions (its own rows from
+    the model's computation, the others' 1-D positions repeated)."""
+    if not any(c.seq.group.mm is not None and c.seq.group.mm.mrope is not None for c in chunks):
+        return torch.tensor([pos])
+    parts = []
+    for c in chunks:
+        mm = c.seq.group.mm
+        if mm is not None and mm.mrope is not None:
+            parts.append(mm.rope_positions(c.start, c.start + c.num_tokens))
+        else:
+            parts.append(torch.arange(c.start, c.start + c.num_tokens).expand(3, -1))
+    return torch.cat(parts, 1)[:, None, :]

@@ -181,7 +181,7 @@ class Scheduler:
         them: their full blocks are keyed for the prefix cache now and unkeyed if they are rejected)."""
         start = seq.num_computed
         draft = draft or []
-        slots = self.kv.blocks.append(seq.seq_id, n + len(draft), seq.token_ids[start:start + n] + draft)
+        slots = self.kv.blocks.append(seq.seq_id, n + len(draft), seq.cache_keys(start, start + n, draft))
         return Chunk(seq, start, n + len(draft), slots, admitted, draft)
 
     def _fits(self, seq: Seq, n: int) -> bool:
@@ -214,7 +214,8 @@ class Scheduler:
             if not seq.in_cache:
                 # a request still owed prompt logprobs computes its whole prompt: no prefix hits
                 cached = self.kv.add_sequence(seq.seq_id,
-                                              None if prompt_logprobs.pending(seq) else seq.token_ids)
+                                              None if prompt_logprobs.pending(seq)
+                                              else seq.cache_keys(0, len(seq.token_ids)))
                 seq.in_cache = True
                 seq.num_computed = cached
                 if seq.num_output == 0:

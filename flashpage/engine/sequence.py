@@ -69,6 +69,13 @@ class Seq:
         self.status = SeqStatus.FINISHED
         self.finish_reason = reason
 
+    def cache_keys(self, start: int, end: int, extra: list[int] | None = None) -> list[Any]:
+        """Prefix-cache keys of tokens [start, end) (then ``extra`` proposed tokens): the ids, salted with the
+        request's image hash from its first image row on (engine/multimodal.py)."""
+        ids = self.token_ids[start:end] + (extra or [])
+        mm = self.group.mm
+        return ids if mm is None else mm.cache_keys(ids, start)
+
     @property
     def num_prompt(self) -> int:
         return len(self.group.prompt_token_ids)
@@ -107,6 +114,7 @@ class Group:
     num_finished: int = 0  # samples finished so far (kept by Seq.mark_finished)
     # SamplingParams.prompt_logprobs: entry i for prompt token i, recorded in order (see prompt_logprobs.py)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    mm: Any = None  # images: the prompt's image embeddings (engine/multimodal.py PromptEmbeds), kept until it ends
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

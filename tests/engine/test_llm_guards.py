@@ -127,7 +127,8 @@ def test_vllm_prompt_dicts_and_images_refused_by_name() -> None:
     plain = llm.generate([[3, 5, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
     as_dict = llm.generate({"prompt_token_ids": [3, 5, 7]}, params, use_tqdm=False)[0].outputs[0].token_ids
     assert as_dict == plain and len(plain) == 4
-    with pytest.raises(ValueError, match=r"LLM takes no images \(multi_modal_data\) yet: .*flashpage.patch\(model\)"):
+    with pytest.raises(ValueError, match=r"LLM cannot take images for LlamaForCausalLM \(model_type='llama'\): it is "
+                                         "not a vision-language model"):
         llm.generate([[3, 5], {"prompt_token_ids": [3], "multi_modal_data": {"image": object()}}], use_tqdm=False)
     with pytest.raises(ValueError, match="exactly one of 'prompt' .* or 'prompt_token_ids'"):
         llm.generate([{"prompt_ids": [3]}], use_tqdm=False)

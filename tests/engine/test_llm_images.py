@@ -1,0 +1,320 @@
+"""Images in flashpage.LLM (issue 36): ``{"prompt": text, "multi_modal_data": {"image": ...}}`` exact against
+unpatched transformers generate() on the same tiny VLM and processor inputs, one request at a time.
+
+Oracle: float32, greedy; tokens identical and every generated token's logprob within 1e-4 of the unpatched model's
+log-softmax. Each test first shows its images change the output (else it would check nothing).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vlm_zoo import NotBuildable, sweep_image_case, tiny_gemma3, tiny_image, tiny_llava
+
+import flashpage
+from flashpage import LLM, SamplingParams
+from flashpage.engine.multimodal import IMAGE_TYPES
+
+ATOL = 1e-4
+MAX_NEW = 6
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logprobs=0, ignore_eos=True)
+
+
+def _oracle(model, inputs: dict, max_new: int = MAX_NEW) -> tuple[list[int], list[torch.Tensor]]:
+    """Unpatched generate() on one request's processor tensors: (new tokens, per-step log-softmax)."""
+    assert not flashpage.is_patched(model)
+    n = inputs["input_ids"].shape[1]
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    return out.sequences[0, n:].tolist(), [torch.log_softmax(x[0].float(), -1) for x in out.logits]
+
+
+def _assert_exact(output, ref: tuple[list[int], list[torch.Tensor]]) -> None:
+    comp = output.outputs[0]
+    assert comp.token_ids == ref[0]
+    diff = max(abs(lp.logprob - float(ref[1][i][lp.token_id])) for i, lp in enumerate(comp.logprobs))
+    assert diff <= ATOL, diff
+
+
+@pytest.fixture(scope="module")
+def llava():
+    model, processor = tiny_llava()
+    return model, processor
+
+
+def _request(processor, text: str, image) -> tuple[dict, dict]:
+    """(the LLM request, the processor's tensors for the oracle)."""
+    return ({"prompt": text, "multi_modal_data": {"image": image}},
+            dict(processor(text=text, images=[image], return_tensors="pt")))
+
+
+PROMPTS = ["<image> what is it", "a picture: <image> describe it in detail please", "<image>",
+           "first some text that fills more than one block, then <image> and a question"]
+
+
+@pytest.mark.parametrize("budget", [2048, 5])
+def test_image_requests_batched_with_a_text_request_equal_generate(llava, budget) -> None:
+    """Three image requests and a text request in one LLM, batched; budget 5: every image block (17 tokens) is
+    cut by chunk boundaries, steps mix image rows and other requests' decodes."""
+    model, processor = llava
+    reqs = [_request(processor, p, tiny_image(i)) for i, p in enumerate(PROMPTS[:3])]
+    text = "just some text"
+    text_inputs = dict(processor.tokenizer(text, return_tensors="pt"))
+    refs = [_oracle(model, inputs) for _, inputs in reqs] + [_oracle(model, text_inputs)]
+    other = _oracle(model, _request(processor, PROMPTS[0], tiny_image(7))[1])
+    assert other[0] != refs[0][0] or float((other[1][0] - refs[0][1][0]).abs().max()) > 1e-3  # images matter
+    llm = LLM(model, processor, max_num_batched_tokens=budget, block_size=4, check_invariants=True)
+    try:
+        outs = llm.generate([r for r, _ in reqs] + [text], GREEDY, use_tqdm=False)
+        for out, ref in zip(outs, refs, strict=True):
+            _assert_exact(out, ref)
+        assert outs[0].prompt == PROMPTS[0]
+        assert len(outs[0].prompt_token_ids) == reqs[0][1]["input_ids"].shape[1]  # image tokens expanded
+    finally:
+        flashpage.unpatch(model)
+
+
+def test_same_text_different_images_never_share_pages(llava) -> None:
+    """Equal text, different images: equal token ids, so pages keyed by ids alone would hand the second request the
+    first one's image K/V. Keys carry the image hash from the first image token on: the text before the image is
+    shared, the rest is not; the same text and image again hits the cache through the image block."""
+    model, processor = llava
+    text = "a shared instruction of a few blocks: <image> what is it"
+    a, b = (_request(processor, text, tiny_image(s)) for s in (2, 3))
+    assert torch.equal(a[1]["input_ids"], b[1]["input_ids"])
+    ref_a, ref_b = _oracle(model, a[1]), _oracle(model, b[1])
+    assert ref_a[0] != ref_b[0] or float((ref_a[1][0] - ref_b[1][0]).abs().max()) > 1e-3
+    first_image = a[1]["input_ids"][0].tolist().index(processor.tokenizer.convert_tokens_to_ids("<image>"))
+    llm = LLM(model, processor=processor, block_size=4, check_invariants=True)
+    try:
+        out_a = llm.generate(a[0], GREEDY, use_tqdm=False)[0]
+        out_b = llm.generate(b[0], GREEDY, use_tqdm=False)[0]
+        _assert_exact(out_a, ref_a)
+        _assert_exact(out_b, ref_b)
+        assert 0 < out_b.metrics.cached_prompt_tokens <= first_image  # the text before the image only
+        again = llm.generate(a[0], GREEDY, use_tqdm=False)[0]
+        _assert_exact(again, ref_a)
+        assert again.metrics.cached_prompt_tokens >= first_image + 17  # through the image block
+    finally:
+        flashpage.unpatch(model)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_preempted_image_requests_recompute_exactly(llava, caching) -> None:
+    """A pool too small for all requests at once: image requests are preempted (recompute) and resume from their
+    kept embeddings (with prefix caching: from their own salted blocks), exact; add_request / step and stream take
+    images too."""
+    model, processor = llava
+    reqs = [_request(processor, f"<image> question number {i}", tiny_image(10 + i)) for i in range(4)]
+    refs = [_oracle(model, inputs, max_new=12) for _, inputs in reqs]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True)
+    llm = LLM(model, processor=processor, block_size=4, num_blocks=20, max_num_batched_tokens=16,
+              enable_prefix_caching=caching, check_invariants=True, max_model_len=80)
+    try:
+        for i, (r, _) in enumerate(reqs):
+            llm.add_request(r, params, request_id=str(i))
+        done = {}
+        while llm.has_unfinished_requests():
+            for out in llm.step():
+                if out.finished:
+                    done[out.request_id] = out
+        assert llm.stats().preemptions > 0
+        for i, ref in enumerate(refs):
+            _assert_exact(done[str(i)], ref)
+        streamed = [d.token_ids for d in llm.stream(reqs[1][0], GREEDY)]
+        assert sum(streamed, []) == refs[1][0][:MAX_NEW]
+    finally:
+        flashpage.unpatch(model)
+
+
+def test_preprocessed_inputs_with_prompt_token_ids(llava) -> None:
+    """``{"prompt_token_ids": ids, "multi_modal_data": {"image": processor_outputs}}`` equals the text form."""
+    model, processor = llava
+    req, inputs = _request(processor, PROMPTS[1], tiny_image(4))
+    ref = _oracle(model, inputs)
+    tensors = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    llm = LLM(model, processor=processor)
+    try:
+        out = llm.generate({"prompt_token_ids": inputs["input_ids"][0].tolist(),
+                            "multi_modal_data": {"image": tensors}}, GREEDY, use_tqdm=False)[0]
+        _assert_exact(out, ref)
+        with pytest.raises(ValueError, match="processor's outputs"):
+            llm.generate({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": tiny_image(0)}}, use_tqdm=False)
+        with pytest.raises(ValueError, match="'image' only"):
+            llm.generate({"prompt": "x", "multi_modal_data": {"video": [1]}}, use_tqdm=False)
+    finally:
+        flashpage.unpatch(model)
+
+
+SWEEP_TYPES = sorted(IMAGE_TYPES - {"llava"})
+
+
+@pytest.mark.parametrize("model_type", SWEEP_TYPES)
+def test_image_types_equal_generate(model_type: str) -> None:
+    """Every type LLM takes images for (engine/multimodal.py IMAGE_TYPES) against unpatched generate(), with the
+    sweep's hand-built image inputs (pre-processed form), two images, chunk boundaries inside the image blocks."""
+    try:
+        case = sweep_image_case(model_type)
+    except NotBuildable as e:
+        pytest.skip(str(e))
+    model, reqs, refs = case.model, [], []
+    for batch in (case.inputs, case.other):
+        for row in range(2):
+            ids, tensors = _row(batch, row)
+            refs.append(_oracle(model, {"input_ids": torch.tensor([ids]), **tensors}))
+            reqs.append({"prompt_token_ids": ids, "multi_modal_data": {"image": tensors}})
+    assert refs[0][0] != refs[2][0] or float((refs[0][1][0] - refs[2][1][0]).abs().max()) > 1e-3
+    text = reqs[0]["prompt_token_ids"][:3]  # a text request beside them (M-RoPE: 1-D positions beside 3-D)
+    refs.append(_oracle(model, {"input_ids": torch.tensor([text])}))
+    llm = LLM(model, max_num_batched_tokens=7, block_size=4, check_invariants=True)
+    try:
+        outs = llm.generate(reqs + [text], GREEDY, use_tqdm=False)
+        for out, ref in zip(outs, refs, strict=True):
+            _assert_exact(out, ref)
+    finally:
+        flashpage.unpatch(model)
+
+
+def _row(batch: dict, i: int) -> tuple[list[int], dict]:
+    """Row ``i`` of a left-padded sweep batch: its unpadded ids and image tensors (M-RoPE models' flattened patches
+    split by image_grid_thw, per-token tensors unpadded)."""
+    mask = batch["attention_mask"][i].bool()
+    ids = batch["input_ids"][i][mask].tolist()
+    tensors = {}
+    for k, v in batch.items():
+        if k in ("input_ids", "attention_mask") or not isinstance(v, torch.Tensor):
+            continue
+        if k == "pixel_values" and "image_grid_thw" in batch:
+            sizes = batch["image_grid_thw"].prod(-1).tolist()
+            tensors[k] = v[sum(sizes[:i]):sum(sizes[:i + 1])]
+        elif v.shape == batch["input_ids"].shape:
+            tensors[k] = v[i][mask][None]
+        else:
+            tensors[k] = v[i:i + 1]
+    return ids, tensors
+
+
+def test_qwen3_vl_images_refused_by_name() -> None:
+    """Qwen3-VL's language model takes image features at several layers (deepstack): refused by name."""
+    from vlm_zoo import tiny_qwen_vl
+
+    model = tiny_qwen_vl("qwen3_vl")
+    llm = LLM(model)
+    try:
+        with pytest.raises(ValueError, match="model_type='qwen3_vl'.*deepstack"):
+            llm.add_request({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": {"pixel_values": None}}})
+    finally:
+        flashpage.unpatch(model)
+
+
+def test_bidirectional_vlm_images_refused_by_name_before_any_forward() -> None:
+    """Gemma 3's image tokens attend both ways: LLM runs its text, and refuses an image request at add_request,
+    naming the type, before anything is queued or computed."""
+    model, processor = tiny_gemma3()
+    llm = LLM(model, processor=processor)
+    try:
+        with pytest.raises(ValueError, match="model_type='gemma3'.*both ways"):
+            llm.add_request({"prompt": "<start_of_image> hi", "multi_modal_data": {"image": tiny_image(0)}})
+        assert not llm.has_unfinished_requests() and llm.stats().steps == 0
+    finally:
+        flashpage.unpatch(model)
+
+
+def test_text_model_refuses_images() -> None:
+    from model_zoo import tiny_model
+
+    model = tiny_model("llama")
+    llm = LLM(model)
+    try:
+        with pytest.raises(ValueError, match="not a vision-language model"):
+            llm.generate({"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": {}}}, use_tqdm=False)
+    finally:
+        flashpage.unpatch(model)
+
+
+def test_weight_change_encodes_unfinished_requests_images_again(llava) -> None:
+    """Weights changed in place while an image request is half-way through its prefill: its KV is dropped (as for
+    any request) and its image embeddings come from the new weights too, so it equals generate() with them."""
+    model, processor = llava
+    req, inputs = _request(processor, PROMPTS[3], tiny_image(20))
+    projector = model.model.multi_modal_projector.linear_2.weight
+    with torch.no_grad():
+        old = projector.clone()
+        projector.mul_(-1.5)
+        ref_new = _oracle(model, inputs)
+        projector.copy_(old)
+    ref_old = _oracle(model, inputs)
+    assert ref_new[0] != ref_old[0] or float((ref_new[1][0] - ref_old[1][0]).abs().max()) > 1e-3
+    llm = LLM(model, processor=processor, block_size=4, max_num_batched_tokens=8)
+    try:
+        llm.add_request(req, GREEDY, request_id="r")
+        llm.step()
+        llm.step()  # part of the image block computed with the old weights
+        with torch.no_grad():
+            projector.mul_(-1.5)
+        done = None
+        while llm.has_unfinished_requests():
+            done = next((o for o in llm.step() if o.finished), done)
+        _assert_exact(done, ref_new)
+    finally:
+        flashpage.unpatch(model)
+        with torch.no_grad():
+            projector.copy_(old)
+
+
+def test_llm_from_a_path_loads_the_processor(llava, tmp_path) -> None:
+    """LLM(path) of a vision-language checkpoint: its image-text-to-text class and its AutoProcessor are loaded,
+    and a text prompt with an image equals generate() on the original model."""
+    model, processor = llava
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    req, inputs = _request(processor, PROMPTS[0], tiny_image(30))
+    ref = _oracle(model, inputs)
+    llm = LLM(str(tmp_path), dtype=torch.float32, device="cpu")
+    assert type(llm.processor).__name__ == "LlavaProcessor"
+    _assert_exact(llm.generate(req, GREEDY, use_tqdm=False)[0], ref)
+
+
+def test_images_with_prompt_logprobs_and_samples(llava) -> None:
+    """Images compose with the rest of the engine: prompt logprobs (every prompt position, image rows included,
+    within 1e-4 of the unpatched forward) and n=2 samples (forked from the image prompt: greedy twins equal the
+    oracle)."""
+    model, processor = llava
+    req, inputs = _request(processor, PROMPTS[1], tiny_image(40))
+    ref = _oracle(model, inputs, max_new=10)
+    with torch.no_grad():
+        full = torch.log_softmax(model(**inputs).logits[0].float(), -1)
+    ids = inputs["input_ids"][0].tolist()
+    llm = LLM(model, processor=processor, block_size=4, max_num_batched_tokens=12)
+    try:
+        params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=0, ignore_eos=True, prompt_logprobs=0, n=2)
+        out = llm.generate(req, params, use_tqdm=False)[0]
+        for comp in out.outputs:
+            assert comp.token_ids == ref[0]
+        lps = out.prompt_logprobs
+        assert lps[0] is None and len(lps) == len(ids)
+        diff = max(abs(lps[i].logprob - float(full[i - 1, ids[i]])) for i in range(1, len(ids)))
+        assert diff <= ATOL, diff
+    finally:
+        flashpage.unpatch(model)
+
+
+def test_two_images_in_one_prompt(llava) -> None:
+    """A list of images for one prompt (two placeholders) equals generate() with the processor's tensors for both;
+    swapping the images changes the output."""
+    model, processor = llava
+    text = "<image> then <image> which one?"
+    images = [tiny_image(50), tiny_image(51)]
+    inputs = dict(processor(text=text, images=images, return_tensors="pt"))
+    swapped = dict(processor(text=text, images=images[::-1], return_tensors="pt"))
+    ref, ref_swapped = _oracle(model, inputs), _oracle(model, swapped)
+    assert ref[0] != ref_swapped[0] or float((ref[1][0] - ref_swapped[1][0]).abs().max()) > 1e-3
+    llm = LLM(model, processor=processor, block_size=4, max_num_batched_tokens=9)
+    try:
+        outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}},
+                             {"prompt": text, "multi_modal_data": {"image": images[::-1]}}], GREEDY, use_tqdm=False)
+        _assert_exact(outs[0], ref)
+        _assert_exact(outs[1], ref_swapped)
+    finally:
+        flashpage.unpatch(model)

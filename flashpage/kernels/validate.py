@@ -225,6 +225,149 @@ def check_rotary(
     return rotary_dim
 
 
+def _check_kvcache_tensors(
+    fn: str,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+) -> None:
+    """q, k_cache and v_cache are 4-d tensors; all given tensors share a dtype and a contiguous last dim."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise _fail(fn, f"{name} must be a 4-d tensor, got {shape}")
+    check_dtypes(fn, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}, REFERENCE_DTYPES)
+    check_last_dim_contiguous(fn, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v})
+
+
+def _check_paged_cache(
+    fn: str,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_batch_idx: torch.Tensor | None,
+    cache_leftpad: torch.Tensor | None,
+    block_table: torch.Tensor,
+    batch: int,
+    kv_heads: int,
+    head_dim: int,
+) -> tuple[int, int, int]:
+    """Paged caches and their block_table; returns (num_blocks, page_size, capacity)."""
+    if cache_batch_idx is not None:
+        raise _fail(
+            fn,
+            "paged KV cache does not support cache_batch_idx (the block_table already says "
+            "where each sequence lives); drop cache_batch_idx",
+        )
+    if cache_leftpad is not None:
+        raise _fail(
+            fn,
+            "paged KV cache does not support cache_leftpad; drop cache_leftpad and start each "
+            "sequence at logical row 0 of its block_table",
+        )
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+        raise _fail(fn, "block_table must be a (B, max_blocks_per_seq) int32 tensor")
+    check_index_tensor(fn, "block_table", block_table, (batch, block_table.shape[1]), contiguous="last")
+    num_blocks, page = k_cache.shape[0], k_cache.shape[1]
+    capacity = block_table.shape[1] * page
+    check_shape(fn, "k_cache", k_cache, (num_blocks, page, kv_heads, head_dim), "(NB, P, Hk, D)")
+    check_shape(fn, "v_cache", v_cache, (num_blocks, page, kv_heads, head_dim), "(NB, P, Hk, D)")
+    return num_blocks, page, capacity
+
+
+def _check_dense_cache(
+    fn: str,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_batch_idx: torch.Tensor | None,
+    cache_leftpad: torch.Tensor | None,
+    batch: int,
+    kv_heads: int,
+    head_dim: int,
+) -> tuple[int, int, int]:
+    """Dense caches, cache_batch_idx and cache_leftpad; returns (num_blocks, 0, capacity)."""
+    num_blocks, page, capacity = k_cache.shape[0], 0, k_cache.shape[1]
+    check_shape(
+        fn, "k_cache", k_cache, (num_blocks, capacity, kv_heads, head_dim), "(B_cache, S_cache, Hk, D)"
+    )
+    check_shape(
+        fn, "v_cache", v_cache, (num_blocks, capacity, kv_heads, head_dim), "(B_cache, S_cache, Hk, D)"
+    )
+    if cache_batch_idx is not None:
+        check_index_tensor(fn, "cache_batch_idx", cache_batch_idx, (batch,))
+    elif num_blocks < batch:
+        raise _fail(
+            fn,
+            f"the dense k_cache holds {num_blocks} sequences but q has batch {batch}; pass "
+            "cache_batch_idx or a bigger cache",
+        )
+    if cache_leftpad is not None:
+        check_index_tensor(fn, "cache_leftpad", cache_leftpad, (batch,))
+    return num_blocks, page, capacity
+
+
+def _check_new_kv(
+    fn: str,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | int | None,
+    seqlen_q: int,
+    capacity: int,
+    batch: int,
+    kv_heads: int,
+    head_dim: int,
+) -> int:
+    """The new keys/values to append, if any; returns their length Sn (0 without k/v)."""
+    if k is None and v is None:
+        return 0
+    if k is None or v is None:
+        raise _fail(fn, "k and v must be given together (new keys and values to append)")
+    if cache_seqlens is None:
+        raise _fail(fn, "if key is supplied, cache_seqlens must also be passed in (where to append)")
+    if seqlen_q > capacity:
+        raise _fail(
+            fn,
+            f"if key is supplied, q must have seqlen ({seqlen_q}) <= the seqlen of the KV "
+            f"cache ({capacity})",
+        )
+    new_tokens = k.shape[1] if k.dim() == 4 else -1
+    check_shape(fn, "k", k, (batch, new_tokens, kv_heads, head_dim), "(B, Sn, Hk, D)")
+    check_shape(fn, "v", v, (batch, new_tokens, kv_heads, head_dim), "(B, Sn, Hk, D)")
+    return new_tokens
+
+
+def _check_cache_seqlens(
+    fn: str,
+    cache_seqlens: torch.Tensor | int | None,
+    paged: bool,
+    num_blocks: int,
+    batch: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """cache_seqlens as a (B,) int32 tensor (a Python int expanded as flash-attn does) or None."""
+    if isinstance(cache_seqlens, bool):
+        raise _fail(fn, "cache_seqlens must be a (B,) int32 tensor")
+    if isinstance(cache_seqlens, int):
+        if paged:
+            raise _fail(
+                fn,
+                "a Python int cache_seqlens with a block_table is broken in flash-attn (it is "
+                "expanded to num_blocks entries); pass a (B,) int32 tensor: "
+                "torch.full((B,), n, dtype=torch.int32, device=q.device)",
+            )
+        if num_blocks != batch:
+            raise _fail(
+                fn,
+                f"a Python int cache_seqlens is expanded to k_cache.shape[0] = {num_blocks} "
+                f"entries but the batch is {batch}; pass a (B,) int32 tensor",
+            )
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    if cache_seqlens is not None:
+        check_index_tensor(fn, "cache_seqlens", cache_seqlens, (batch,))
+    return cache_seqlens
+
+
 def check_kvcache(
     q,
     k_cache,
@@ -243,12 +386,7 @@ def check_kvcache(
     """Validate a flash_attn_with_kvcache call (every backend). Returns the sizes and cache_seqlens
     as a (B,) int32 tensor (a Python int is expanded the way flash-attn does it) or None."""
     fn = "flash_attn_with_kvcache"
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise _fail(fn, f"{name} must be a 4-d tensor, got {shape}")
-    check_dtypes(fn, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v}, REFERENCE_DTYPES)
-    check_last_dim_contiguous(fn, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v})
+    _check_kvcache_tensors(fn, q, k_cache, v_cache, k, v)
     batch, seqlen_q, heads, head_dim = q.shape
     if batch <= 0:
         raise _fail(fn, "batch size must be positive (q.shape[0] == 0)")
@@ -256,77 +394,15 @@ def check_kvcache(
     check_heads(fn, heads, kv_heads, head_dim)
     paged = block_table is not None
     if paged:
-        if cache_batch_idx is not None:
-            raise _fail(
-                fn,
-                "paged KV cache does not support cache_batch_idx (the block_table already says "
-                "where each sequence lives); drop cache_batch_idx",
-            )
-        if cache_leftpad is not None:
-            raise _fail(
-                fn,
-                "paged KV cache does not support cache_leftpad; drop cache_leftpad and start each "
-                "sequence at logical row 0 of its block_table",
-            )
-        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
-            raise _fail(fn, "block_table must be a (B, max_blocks_per_seq) int32 tensor")
-        check_index_tensor(fn, "block_table", block_table, (batch, block_table.shape[1]), contiguous="last")
-        num_blocks, page = k_cache.shape[0], k_cache.shape[1]
-        capacity = block_table.shape[1] * page
-        check_shape(fn, "k_cache", k_cache, (num_blocks, page, kv_heads, head_dim), "(NB, P, Hk, D)")
-        check_shape(fn, "v_cache", v_cache, (num_blocks, page, kv_heads, head_dim), "(NB, P, Hk, D)")
+        num_blocks, page, capacity = _check_paged_cache(
+            fn, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, batch, kv_heads, head_dim
+        )
     else:
-        num_blocks, page, capacity = k_cache.shape[0], 0, k_cache.shape[1]
-        check_shape(
-            fn, "k_cache", k_cache, (num_blocks, capacity, kv_heads, head_dim), "(B_cache, S_cache, Hk, D)"
+        num_blocks, page, capacity = _check_dense_cache(
+            fn, k_cache, v_cache, cache_batch_idx, cache_leftpad, batch, kv_heads, head_dim
         )
-        check_shape(
-            fn, "v_cache", v_cache, (num_blocks, capacity, kv_heads, head_dim), "(B_cache, S_cache, Hk, D)"
-        )
-        if cache_batch_idx is not None:
-            check_index_tensor(fn, "cache_batch_idx", cache_batch_idx, (batch,))
-        elif num_blocks < batch:
-            raise _fail(
-                fn,
-                f"the dense k_cache holds {num_blocks} sequences but q has batch {batch}; pass "
-                "cache_batch_idx or a bigger cache",
-            )
-        if cache_leftpad is not None:
-            check_index_tensor(fn, "cache_leftpad", cache_leftpad, (batch,))
-    new_tokens = 0
-    if k is not None or v is not None:
-        if k is None or v is None:
-            raise _fail(fn, "k and v must be given together (new keys and values to append)")
-        if cache_seqlens is None:
-            raise _fail(fn, "if key is supplied, cache_seqlens must also be passed in (where to append)")
-        if seqlen_q > capacity:
-            raise _fail(
-                fn,
-                f"if key is supplied, q must have seqlen ({seqlen_q}) <= the seqlen of the KV "
-                f"cache ({capacity})",
-            )
-        new_tokens = k.shape[1] if k.dim() == 4 else -1
-        check_shape(fn, "k", k, (batch, new_tokens, kv_heads, head_dim), "(B, Sn, Hk, D)")
-        check_shape(fn, "v", v, (batch, new_tokens, kv_heads, head_dim), "(B, Sn, Hk, D)")
-    if isinstance(cache_seqlens, bool):
-        raise _fail(fn, "cache_seqlens must be a (B,) int32 tensor")
-    if isinstance(cache_seqlens, int):
-        if paged:
-            raise _fail(
-                fn,
-                "a Python int cache_seqlens with a block_table is broken in flash-attn (it is "
-                "expanded to num_blocks entries); pass a (B,) int32 tensor: "
-                "torch.full((B,), n, dtype=torch.int32, device=q.device)",
-            )
-        if num_blocks != batch:
-            raise _fail(
-                fn,
-                f"a Python int cache_seqlens is expanded to k_cache.shape[0] = {num_blocks} "
-                f"entries but the batch is {batch}; pass a (B,) int32 tensor",
-            )
-        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device)
-    elif cache_seqlens is not None:
-        check_index_tensor(fn, "cache_seqlens", cache_seqlens, (batch,))
+    new_tokens = _check_new_kv(fn, k, v, cache_seqlens, seqlen_q, capacity, batch, kv_heads, head_dim)
+    cache_seqlens = _check_cache_seqlens(fn, cache_seqlens, paged, num_blocks, batch, k_cache.device)
     rotary_dim = check_rotary(fn, rotary_cos, rotary_sin, k is not None, q, capacity)
     del rotary_dim
     check_alibi(fn, alibi_slopes, batch, heads)

@@ -159,15 +159,28 @@ def evaluate(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int) -> 
     return sum(losses) / max(1, len(losses))
 
 
-def train(cfg: TrainConfig, out: Path, command: str) -> dict[str, object]:
-    """Run the whole pipeline and save the model to ``out``; returns the recorded results."""
-    from transformers import GenerationConfig, LlamaForCausalLM
+@dataclass
+class _TrainData:
+    """Corpus, tokenizer and train/validation blocks of one run."""
 
-    t0 = time.perf_counter()
+    docs: list[str]
+    n_chars: int
+    tokenizer: PreTrainedTokenizerFast
+    eos: int
+    train_blocks: torch.Tensor
+    val_blocks: torch.Tensor
+    n_tokens: int
+
+
+def _setup_torch(cfg: TrainConfig) -> None:
+    """Set torch's thread count and seed, and make it deterministic."""
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     torch.use_deterministic_algorithms(True)
 
+
+def _prepare_data(cfg: TrainConfig) -> _TrainData:
+    """Build the corpus, train the tokenizer and split the packed blocks into train / validation."""
     docs = build_corpus(cfg.max_corpus_chars)
     n_chars = sum(map(len, docs))
     print(f"corpus: {len(docs)} documents, {n_chars:,} characters", flush=True)
@@ -184,20 +197,36 @@ def train(cfg: TrainConfig, out: Path, command: str) -> dict[str, object]:
         f"blocks of {cfg.seq_len}",
         flush=True,
     )
+    return _TrainData(docs, n_chars, tokenizer, eos, train_blocks, val_blocks, n_tokens)
 
-    model = LlamaForCausalLM(make_config(len(tokenizer), eos))
+
+def _build_model(vocab_size: int, eos: int) -> tuple[LlamaForCausalLM, int]:
+    """A freshly initialised tiny Llama in training mode, and its parameter count."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(make_config(vocab_size, eos))
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters", flush=True)
+    return model, n_params
+
+
+def _make_optimizer(model: LlamaForCausalLM, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.peak_lr,
         betas=(0.9, 0.95),
         eps=1e-8,
     )
 
+
+def _train_steps(
+    model: LlamaForCausalLM, opt: torch.optim.Optimizer, train_blocks: torch.Tensor, cfg: TrainConfig
+) -> tuple[list[float], float]:
+    """Run ``cfg.steps`` optimizer steps; returns the last ``log_every`` losses and the seconds taken."""
     gen = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(train_blocks), generator=gen)
     cursor = 0
@@ -227,10 +256,12 @@ def train(cfg: TrainConfig, out: Path, command: str) -> dict[str, object]:
                 f"epoch {epoch}  {elapsed:6.1f}s",
                 flush=True,
             )
-    train_seconds = time.perf_counter() - t_train
-    final_loss = sum(recent) / len(recent)
-    val_loss = evaluate(model, val_blocks, cfg.batch_size)
-    print(f"final train loss {final_loss:.4f} (mean of last {len(recent)} steps); val loss {val_loss:.4f}")
+    return recent, time.perf_counter() - t_train
+
+
+def _save_model(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, eos: int, out: Path) -> None:
+    """Save float16 weights, a float32 config, the generation config and the tokenizer to ``out``."""
+    from transformers import GenerationConfig
 
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
@@ -250,16 +281,35 @@ def train(cfg: TrainConfig, out: Path, command: str) -> dict[str, object]:
         if path.is_file():
             path.chmod(0o644)
 
-    samples = greedy_samples(out, SAMPLE_PROMPTS, max_new_tokens=40)
+
+def _print_samples(samples: dict[str, str]) -> None:
+    """Print each greedy sample under its prompt."""
     for prompt, text in samples.items():
         print(f"--- {prompt!r}\n{text}\n")
+
+
+def train(cfg: TrainConfig, out: Path, command: str) -> dict[str, object]:
+    """Run the whole pipeline and save the model to ``out``; returns the recorded results."""
+    t0 = time.perf_counter()
+    _setup_torch(cfg)
+    data = _prepare_data(cfg)
+    model, n_params = _build_model(len(data.tokenizer), data.eos)
+    opt = _make_optimizer(model, cfg)
+    recent, train_seconds = _train_steps(model, opt, data.train_blocks, cfg)
+    final_loss = sum(recent) / len(recent)
+    val_loss = evaluate(model, data.val_blocks, cfg.batch_size)
+    print(f"final train loss {final_loss:.4f} (mean of last {len(recent)} steps); val loss {val_loss:.4f}")
+
+    _save_model(model, data.tokenizer, data.eos, out)
+    samples = greedy_samples(out, SAMPLE_PROMPTS, max_new_tokens=40)
+    _print_samples(samples)
     results: dict[str, object] = {
         "command": command,
         "config": asdict(cfg),
-        "documents": len(docs),
-        "characters": n_chars,
-        "tokens": n_tokens,
-        "epochs_seen": round(cfg.steps * cfg.batch_size / len(train_blocks), 2),
+        "documents": len(data.docs),
+        "characters": data.n_chars,
+        "tokens": data.n_tokens,
+        "epochs_seen": round(cfg.steps * cfg.batch_size / len(data.train_blocks), 2),
         "parameters": n_params,
         "final_train_loss": round(final_loss, 4),
         "val_loss": round(val_loss, 4),
@@ -267,16 +317,21 @@ def train(cfg: TrainConfig, out: Path, command: str) -> dict[str, object]:
         "total_seconds": round(time.perf_counter() - t0, 1),
         "safetensors_bytes": (out / "model.safetensors").stat().st_size,
         "samples": samples,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": _version("transformers"),
-            "tokenizers": _version("tokenizers"),
-        },
+        "versions": _versions(),
     }
     (out / "README.md").write_text(model_card(results), encoding="utf-8")
     print(json.dumps({k: v for k, v in results.items() if k != "samples"}, indent=2))
     return results
+
+
+def _versions() -> dict[str, str]:
+    """Versions of Python and the libraries that determine the trained bits."""
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "tokenizers": _version("tokenizers"),
+    }
 
 
 def _version(dist: str) -> str:

@@ -80,7 +80,8 @@ def _serve(args: argparse.Namespace) -> int:
                            max_waiting_requests=args.max_waiting_requests, drain_timeout=args.drain_timeout,
                            max_request_bytes=args.max_request_bytes,
                            chat_template=args.chat_template, log_level=args.log_level,
-                           engine=EngineConfig.from_options(engine))  # every option checked before the model loads
+                           engine=EngineConfig.from_options(engine),  # every option checked before the model loads
+                           **_serve_media(args))
     size = args.tensor_parallel_size
     if size < 1:
         raise ValueError(f"--tensor-parallel-size {size}: give the number of ranks (>= 1)")
@@ -94,6 +95,20 @@ def _serve(args: argparse.Namespace) -> int:
             return tp.relaunch(size, args.argv, args.port)
         return tp.run_tp_server(options, size)
     return run_server(options)
+
+
+def _serve_media(args: argparse.Namespace) -> dict[str, Any]:
+    """The image flags (--limit-mm-per-prompt, --max-image-bytes, --allowed-local-media-path), checked before
+    anything loads."""
+    from flashpage.serve import media as M
+
+    media = M.MediaOptions(
+        M.parse_limit_mm_per_prompt(args.limit_mm_per_prompt) if args.limit_mm_per_prompt is not None
+        else M.DEFAULT_IMAGE_LIMIT,
+        args.max_image_bytes if args.max_image_bytes is not None else M.DEFAULT_MAX_IMAGE_BYTES,
+        args.allowed_local_media_path)
+    return {"limit_mm_per_prompt": media.limit_per_prompt, "max_image_bytes": media.max_image_bytes,
+            "allowed_local_media_path": media.allowed_local_media_path}
 
 
 def _serve_speculative_config(text: str | None) -> dict[str, Any] | None:
@@ -176,6 +191,14 @@ def _add_serve(sub: Any) -> None:
                    help="when the engine process dies (e.g. killed by the OOM killer), its open requests fail with "
                         "503 and a new one is started, at most N times; then the server exits with code 1, for a "
                         "supervisor to act on (default 3; 0: exit at the first death)")
+    m = p.add_argument_group("images (vision-language models: chat image_url content parts)")
+    m.add_argument("--limit-mm-per-prompt", default=None, metavar="N",
+                   help="images per chat request, at most: 4, image=4 or '{\"image\": 4}' (default 4)")
+    m.add_argument("--max-image-bytes", type=int, default=None, metavar="BYTES",
+                   help="one image's size (the decoded file), at most (default 5 MiB)")
+    m.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="file:// image URLs are read under DIR only (default: refused); http(s) image URLs are never "
+                        "fetched: send images inline as data: URLs")
     g = p.add_argument_group("engine options (flashpage.LLM)")
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--num-blocks", type=int, default=None)

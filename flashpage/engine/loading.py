@@ -125,6 +125,16 @@ def load_model(name: str | os.PathLike | None, *, dtype: torch.dtype | str | Non
     return model.eval(), tokenizer
 
 
+def load_processor(name: str | os.PathLike | None, model: Any) -> Any:
+    """A vision-language checkpoint's processor (``AutoProcessor``) for ``model`` loaded from ``name``; None for
+    the built-in model, a model that takes no images, or a checkpoint without a (buildable) processor."""
+    if is_tiny(name):
+        return None
+    from flashpage.engine.multimodal import load_processor as load
+
+    return load(os.fspath(name), model)
+
+
 def _from_pretrained(name: str | os.PathLike, dtype: torch.dtype | None, tensor_parallel_size: int | None,
                      device: str | torch.device | None) -> Any:
     if tensor_parallel_size is not None and tensor_parallel_size != 1:

@@ -26,7 +26,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashpage.engine import RequestOutput, SamplingParams
+from flashpage.engine import chat as C
 from flashpage.engine.limits import context_overflow
+from flashpage.serve import media as M
 from flashpage.serve import protocol as P
 from flashpage.serve import responses as R
 from flashpage.serve import structured as S
@@ -59,21 +61,25 @@ class ServerState:
     chat_template: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tokenizer_workers: int = DEFAULT_WORKERS
+    media: M.MediaOptions = field(default_factory=M.MediaOptions)
+    processor: Any = None  # a vision-language model's processor (images; its chat template)
+    images_refused: str | None = "no processor"  # why the model takes no images (None: it does)
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: R.TokenText = field(init=False)
-    pool: TokenizerPool = field(init=False)  # tokenization and chat templates, off the loop and the engine
+    pool: TokenizerPool = field(init=False)  # tokenization, chat templates, images: off the loop and the engine
 
     def __post_init__(self) -> None:
         self.token_text = R.TokenText(self.tokenizer)
-        self.pool = TokenizerPool(self.tokenizer, self.tokenizer_workers)
+        self.pool = TokenizerPool(self.tokenizer, self.tokenizer_workers, self.processor)
 
 
 def build_app(engine: AsyncLLM, model_name: str, *, chat_template: str | None = None,
               metrics: ServeMetrics | None = None, close_on_shutdown: bool = True,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tokenizer_workers: int = DEFAULT_WORKERS) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tokenizer_workers: int = DEFAULT_WORKERS,
+              media: M.MediaOptions | None = None) -> FastAPI:
     """The server's app. With ``close_on_shutdown`` the engine is closed when the app shuts down.
     Request bodies over ``max_request_bytes`` get 413; prompts are tokenized and chat templates applied
-    on ``tokenizer_workers`` threads."""
+    on ``tokenizer_workers`` threads. ``media``: which images chat requests may carry (serve/media.py)."""
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a number of bytes >= 1; got {max_request_bytes!r}")
     tokenizer = _own_copy(engine.llm.tokenizer)
@@ -81,7 +87,8 @@ def build_app(engine: AsyncLLM, model_name: str, *, chat_template: str | None = 
         metrics = ServeMetrics(engine.snapshot, restarts=lambda: engine.restarts)
         engine.on_tokens, engine.on_finish = metrics.on_tokens, metrics.on_finish
     state = ServerState(engine, tokenizer, model_name, engine.llm.max_model_len, metrics, chat_template,
-                        max_request_bytes, tokenizer_workers)
+                        max_request_bytes, tokenizer_workers, media or M.MediaOptions(),
+                        _own_copy(getattr(engine.llm, "processor", None)), M.images_refused(engine.llm))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -154,7 +161,9 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [
             {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "flashpage",
-             "root": state.model_name, "parent": None, "max_model_len": state.max_model_len}]})
+             "root": state.model_name, "parent": None, "max_model_len": state.max_model_len,
+             # images in chat content parts (image_url); flashpage's field, as vLLM has none
+             "capabilities": {"vision": state.images_refused is None}}]})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -199,7 +208,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         tools = S.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
         structured = _chat_structured(req, tools)
         await _prepare(state, structured, S.constraint_param(req, tools))
-        ids = await _chat_prompt(state, req, tools)
+        prompt = await _chat_prompt(state, req, tools)
+        ids = prompt if isinstance(prompt, list) else prompt["prompt_token_ids"]
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = limit if limit is not None else max(1, state.max_model_len - len(ids))
         _check_context(state, len(ids), max_tokens,
@@ -207,7 +217,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         params = P.sampling_params(req, max_tokens, P.chat_logprobs(req), renames={"logprobs": "top_logprobs"},
                                    structured=structured)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await _submit(state, [ids], params, rid, "messages")
+        streams = await _submit(state, [prompt], params, rid, "messages")
         job = _Job(state, rid, "chat.completion", params, streams, req.stream_options, tools=tools)
         if req.stream:
             return _sse(job.chat_events())
@@ -311,8 +321,16 @@ def _with_tools(choice: dict[str, Any], tools: S.ToolPlan) -> dict[str, Any]:
     return {**choice, "message": message, "finish_reason": reason}
 
 
-async def _chat_prompt(state: ServerState, req: P.ChatRequest, tools: S.ToolPlan | None = None) -> list[int]:
+async def _chat_prompt(state: ServerState, req: P.ChatRequest,
+                       tools: S.ToolPlan | None = None) -> list[int] | dict[str, Any]:
+    """The chat request's prompt: token ids, or with images the engine's prompt dict (ids and image tensors)."""
+    num_images = M.count_images(req.messages)
+    M.check_images(num_images, state.images_refused, state.model_name, state.media)
     tok = state.tokenizer
+    on_processor = state.processor is not None and state.chat_template is None \
+        and not getattr(tok, "chat_template", None)  # a VLM checkpoint keeping its template on the processor only
+    if num_images or on_processor:
+        return await _processor_chat_prompt(state, req, tools)
     if tok is None:
         raise P.APIError("this model has no tokenizer, so chat is unavailable; use /v1/completions with token ids",
                          param="messages")
@@ -326,6 +344,27 @@ async def _chat_prompt(state: ServerState, req: P.ChatRequest, tools: S.ToolPlan
         return await state.pool.chat(messages, template, req.add_generation_prompt, **extra)
     except Exception as exc:  # the template refused these messages (e.g. roles out of order)
         raise P.APIError(f"the chat template rejected the messages: {exc}", param="messages") from None
+
+
+async def _processor_chat_prompt(state: ServerState, req: P.ChatRequest,
+                                 tools: S.ToolPlan | None) -> list[int] | dict[str, Any]:
+    """Messages with images (or a template on the processor only) rendered as ``LLM.chat`` renders them, the
+    images read and the processor run on a tokenizer thread (serve/media.py)."""
+    base = S.template_messages(req.messages)
+    tool_list = [{"type": "function", "function": t} for t in tools.tools] if tools and tools.tools else None
+
+    def work(tok: Any, processor: Any) -> list[int] | dict[str, Any]:
+        messages = M.part_messages(req.messages, base, state.media)  # APIError(400) for an unreadable image
+        try:
+            prompt = C.render(messages, tok, processor, chat_template=state.chat_template,
+                              add_generation_prompt=req.add_generation_prompt, continue_final_message=False,
+                              tools=tool_list, chat_template_kwargs=None)
+        except Exception as exc:  # the template refused these messages
+            raise P.APIError(f"the chat template rejected the messages: {exc}", param="messages") from None
+        out = M.processed(processor, prompt)
+        return out["prompt_token_ids"] if "multi_modal_data" not in out else out
+
+    return await state.pool.run_with_processor(work)
 
 
 async def _submit(state: ServerState, prompts: list[Any], params: SamplingParams, rid: str,

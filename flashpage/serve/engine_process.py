@@ -9,9 +9,9 @@ child over one duplex pipe (pickled tuples):
 
 - parent -> child: ``("add", request_id, prompt, params, arrival)``, ``("abort", request_id | None)``,
   ``("call", call_id, name, args)`` (``stats``, ``prepare_structured_outputs``, ``run``), ``("close",)``;
-- child -> parent: ``("ready", tokenizer, max_model_len, stats, binding)`` or ``("error", exc)`` once at
-  start, then per engine iteration with output ``("batch", items, token_events, stats, failed_steps)``,
-  ``("reply", call_id, ok, value)``, and ``("closed",)`` last.
+- child -> parent: ``("ready", tokenizer, max_model_len, stats, binding, processor, images_refused)`` or
+  ``("error", exc)`` once at start, then per engine iteration with output ``("batch", items, token_events, stats,
+  failed_steps)``, ``("reply", call_id, ok, value)``, and ``("closed",)`` last.
 
 Each iteration sends only what is new: a request's first item (accepted, or its validation error), then
 per output the new token ids, the text added, new logprobs and the finish reason; the parent rebuilds the
@@ -84,6 +84,18 @@ class EngineSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):
             self.engine = EngineConfig.from_options(self.engine or {})
+
+
+@dataclass(frozen=True)
+class _Pickled:
+    """A prompt dict (image tensors) pickled by plain pickle: the pipe's pickler would share tensor storage through
+    file descriptors, which only multiprocessing's own children can receive."""
+
+    data: bytes
+
+
+def _portable_prompt(prompt: Any) -> Any:
+    return _Pickled(pickle.dumps(prompt)) if isinstance(prompt, dict) else prompt
 
 
 # ------------------------------------------------------------------------------------------ child side
@@ -192,11 +204,15 @@ def _child_main(conn: Connection, spec: EngineSpec) -> None:
         binding = _bind(spec.cpu_bind)
         engine = _ChildEngine(llm, conn)
         tokenizer = pickle.dumps(llm.tokenizer)
+        processor = pickle.dumps(getattr(llm, "processor", None))
+        from flashpage.serve.media import images_refused
+
+        refused = images_refused(llm)
     except BaseException as exc:
         conn.send(("error", _portable(exc)))
         conn.close()
         return
-    engine.send(("ready", tokenizer, llm.max_model_len, engine.snapshot(), binding))
+    engine.send(("ready", tokenizer, llm.max_model_len, engine.snapshot(), binding, processor, refused))
     _command_loop(conn, engine)
 
 
@@ -227,6 +243,8 @@ def _command_loop(conn: Connection, engine: _ChildEngine) -> None:
             kind = msg[0]
             if kind == "add":
                 _, rid, prompt, params, arrival = msg
+                if isinstance(prompt, _Pickled):
+                    prompt = pickle.loads(prompt.data)
                 engine.add_requests([prompt], params, [rid], arrival=arrival)
             elif kind == "abort":
                 engine.abort_all() if msg[1] is None else engine.abort(msg[1])
@@ -307,6 +325,8 @@ class RemoteLLM:
     tokenizer: Any
     max_model_len: int
     _call: Callable[..., Any]
+    processor: Any = None  # a vision-language model's processor (the front renders and processes images)
+    images_refused: str | None = "no processor"  # why the engine takes no images (None: it does; serve/media.py)
 
     def prepare_structured_outputs(self, spec: Any) -> None:
         """Compile a constraint in the engine process (ValueError naming the field if it is invalid)."""
@@ -351,6 +371,8 @@ class _Ready:
     max_model_len: int
     snapshot: EngineStats
     binding: str
+    processor: bytes = b""  # pickled (None when the model has none)
+    images_refused: str | None = None
 
 
 def describe_exit(code: int | None) -> str:
@@ -454,7 +476,8 @@ class EngineProcess:
         self._conn, self._proc = self._spawn()
         ready = _await_ready(self._conn, self._proc, startup_timeout)
         self._snapshot, self.binding = ready.snapshot, ready.binding
-        self.llm = RemoteLLM(pickle.loads(ready.tokenizer), ready.max_model_len, self._call)
+        self.llm = RemoteLLM(pickle.loads(ready.tokenizer), ready.max_model_len, self._call,
+                             pickle.loads(ready.processor) if ready.processor else None, ready.images_refused)
         self._reader = threading.Thread(target=self._supervise, name="flashpage-engine-reader", daemon=True)
         self._reader.start()
 
@@ -497,7 +520,7 @@ class EngineProcess:
                 self._open[rid] = _Open(stream)
                 self._unacked += 1
                 streams.append(stream)
-                self._send(("add", rid, prompt, params, now))
+                self._send(("add", rid, _portable_prompt(prompt), params, now))
         return streams
 
     def abort(self, request_id: str) -> None:

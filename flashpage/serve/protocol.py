@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -86,9 +86,21 @@ class ContentPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str
+    detail: str | None = None  # OpenAI's "auto" / "low" / "high": accepted, the processor decides the size
+
+
+class ImagePart(_Strict):
+    """``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` (flashpage/serve/media.py)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[Annotated[ContentPart | ImagePart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (rendered by the template)
     tool_call_id: str | None = None  # a tool result's call
@@ -98,7 +110,7 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, ContentPart))
 
 
 class ChatRequest(_Sampling):
@@ -136,9 +148,15 @@ def parse(model: type[_Strict], body: bytes) -> Any:
         raise APIError(f"{where}: {err['msg']}{got}", param=param) from None
 
 
+_PART_TAGS = frozenset({"text", "image_url"})  # a content part's "type": its tag in pydantic's error locations
+
+
 def _field_path(loc: tuple[Any, ...]) -> list[str]:
-    """A pydantic error location without its union-branch tags: ("stop", "list[str]", 0) -> ["stop", "0"]."""
-    return [str(p) for p in loc if isinstance(p, int) or not _TYPE_TAGS.match(str(p))]
+    """A pydantic error location without its union-branch tags: ("stop", "list[str]", 0) -> ["stop", "0"],
+    ("content", 0, "image_url", "image_url", "url") -> ["content", "0", "image_url", "url"]."""
+    kept = [p for p in loc if isinstance(p, int) or not _TYPE_TAGS.match(str(p))]
+    return [str(p) for i, p in enumerate(kept)
+            if not (i and isinstance(kept[i - 1], int) and p in _PART_TAGS and i + 1 < len(kept))]
 
 
 def _short(value: Any) -> str:

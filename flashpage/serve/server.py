@@ -34,6 +34,7 @@ from flashpage.engine.config import EngineConfig
 from flashpage.engine.loading import TINY_MODEL_NAME
 from flashpage.serve.async_engine import AsyncLLM
 from flashpage.serve.engine_process import EngineProcess, EngineSpec
+from flashpage.serve.media import DEFAULT_IMAGE_LIMIT, DEFAULT_MAX_IMAGE_BYTES, MediaOptions
 
 DEFAULT_MAX_ENGINE_RESTARTS = 3  # --max-engine-restarts: engine processes started to replace dead ones, at most
 ENGINE_DIED_EXIT_CODE = 1  # the exit code once the engine died with no restart left
@@ -57,9 +58,16 @@ class ServeOptions:
     engine_process: bool = False  # the engine in its own process (the CLI's default), else a thread of this one
     max_engine_restarts: int = DEFAULT_MAX_ENGINE_RESTARTS  # engine process only: restarts after a death, at most
     engine: EngineConfig = field(default_factory=EngineConfig)
+    limit_mm_per_prompt: int = DEFAULT_IMAGE_LIMIT  # images per chat request (serve/media.py)
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # one image's bytes, at most
+    allowed_local_media_path: str | None = None  # file:// image URLs read under this directory only (None: refused)
 
     def __post_init__(self) -> None:
         self.engine = as_engine_config(self.engine)
+
+    @property
+    def media(self) -> MediaOptions:
+        return MediaOptions(self.limit_mm_per_prompt, self.max_image_bytes, self.allowed_local_media_path)
 
 
 def as_engine_config(engine: EngineConfig | Mapping[str, Any] | None) -> EngineConfig:
@@ -138,13 +146,15 @@ def read_chat_template(path: str | None) -> str | None:
 
 def build_llm(model_name: str | None, engine: EngineConfig | Mapping[str, Any]) -> Any:
     """The :class:`~flashpage.LLM` ``flashpage serve`` runs: the model loaded in ``engine.dtype`` onto
-    ``engine.device``, the rest of ``engine`` its options."""
+    ``engine.device``, the rest of ``engine`` its options; a vision-language checkpoint's processor
+    (``AutoProcessor``) too, for images in chat requests."""
     from flashpage.engine import LLM, loading
 
     engine = as_engine_config(engine)
     model, tokenizer = loading.load_model(model_name, dtype=engine.dtype, device=engine.device,
                                           label=f"--model {model_name}")
-    return LLM(model, tokenizer, **engine.llm_kwargs(drop=("dtype", "device")))
+    processor = loading.load_processor(model_name, model)
+    return LLM(model, tokenizer, processor=processor, **engine.llm_kwargs(drop=("dtype", "device")))
 
 
 def build_engine(options: ServeOptions) -> AsyncLLM | EngineProcess:
@@ -211,7 +221,7 @@ def _serve(options: ServeOptions, engine: AsyncLLM | EngineProcess, template: st
         print(f"flashpage serve: CPU {bind_engine_threads(options.cpu_bind, engine)}", file=sys.stderr)
     name = options.served_model_name or options.model or TINY_MODEL_NAME
     limits = {"max_request_bytes": options.max_request_bytes} if options.max_request_bytes is not None else {}
-    app = build_app(engine, name, chat_template=template, close_on_shutdown=False, **limits)
+    app = build_app(engine, name, chat_template=template, close_on_shutdown=False, media=options.media, **limits)
     # uvicorn's own graceful shutdown starts after the drain: only final events are left to send
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                             timeout_graceful_shutdown=FLUSH_SECONDS, lifespan="on")

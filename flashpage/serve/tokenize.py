@@ -24,8 +24,9 @@ DEFAULT_WORKERS = 2
 class TokenizerPool:
     """Run tokenizer work on ``workers`` threads, each with its own deep copy of ``tokenizer``."""
 
-    def __init__(self, tokenizer: Any, workers: int = DEFAULT_WORKERS) -> None:
+    def __init__(self, tokenizer: Any, workers: int = DEFAULT_WORKERS, processor: Any = None) -> None:
         self.tokenizer = tokenizer
+        self.processor = processor  # a vision-language model's processor (images), copied per thread as well
         self._local = threading.local()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flashpage-tokenize")
 
@@ -38,6 +39,21 @@ class TokenizerPool:
                 tok = self.tokenizer
             self._local.tokenizer = tok
         return tok
+
+    def _own_processor(self) -> Any:
+        proc = getattr(self._local, "processor", None)
+        if proc is None and self.processor is not None:
+            try:
+                proc = copy.deepcopy(self.processor)
+            except Exception:  # not copyable: share it
+                proc = self.processor
+            self._local.processor = proc
+        return proc
+
+    async def run_with_processor(self, fn: Callable[[Any, Any], T]) -> T:
+        """``fn(tokenizer, processor)`` on a worker thread, with that thread's copies."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(self._own(), self._own_processor()))
 
     async def run(self, fn: Callable[[Any], T]) -> T:
         """``fn(tokenizer)`` on a worker thread, with that thread's tokenizer."""

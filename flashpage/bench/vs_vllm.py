@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -153,8 +154,12 @@ def run_vllm(python: str, spec: dict[str, Any], workdir: Path, timeout: float = 
         proc = subprocess.run([python, str(RUNNER), str(spec_path), str(out_path)], stdout=log, stderr=log,
                               timeout=timeout, env=_vllm_env(int(spec["threads"])), cwd=str(workdir))
     if proc.returncode != 0 or not out_path.exists():
+        kept = Path(tempfile.mkdtemp(prefix="flashpage-vllm-failed-")) / "vllm.log"  # workdir is deleted after
+        shutil.copyfile(log_path, kept)
+        shutil.copyfile(spec_path, kept.with_name("spec.json"))
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
-        raise VLLMRunError(f"vLLM run failed (exit {proc.returncode}); the end of its log ({log_path}):\n{tail}")
+        raise VLLMRunError(f"vLLM run failed (exit {proc.returncode}); the end of its log (kept in {kept}, beside "
+                           f"the spec it ran):\n{tail}")
     return json.loads(out_path.read_text())
 
 
@@ -198,7 +203,12 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
     bm, shape = load_model(model_name, quick, seed, model_shape, dtype, num_layers)
     work = make_workload(workload, bm.vocab_size, quick=quick, seed=seed)
     num_blocks = _pool_blocks(work, settings.block_size)
-    max_model_len = int(getattr(bm.model.config, "max_position_embeddings", 2048))
+    # both engines: the model's positions, at most the workload's longest request rounded up to a block (vLLM
+    # refuses a max_model_len its KV pool cannot hold one sequence of, with a margin: real configs say 40960+)
+    positions = int(getattr(bm.model.config, "max_position_embeddings", 2048))
+    longest = max([len(p) + m for p, m in zip(work.prompts, work.max_tokens, strict=True)]
+                  + [len(p) + 4 for p in _warm_prompts(bm.vocab_size, seed)])  # the warm-up's 4 tokens
+    max_model_len = min(positions, -(-longest // settings.block_size) * settings.block_size)
     threads_before = torch.get_num_threads()
     _log(f"model: {bm.name}; workload {workload}: {work.description}; vLLM {version}")
     with tempfile.TemporaryDirectory(prefix="flashpage-vs-vllm-") as tmp:

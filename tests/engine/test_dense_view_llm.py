@@ -64,8 +64,8 @@ def _record_steps(llm: LLM) -> list[tuple[int, int]]:
     steps: list[tuple[int, int]] = []
     schedule = llm.scheduler.schedule
 
-    def recording() -> Any:
-        s = schedule()
+    def recording(*args: Any, **kwargs: Any) -> Any:  # schedule(proposals) under speculative decoding
+        s = schedule(*args, **kwargs)
         prefill = sum(1 for c in s.chunks if c.start < c.seq.num_prompt)
         steps.append((prefill, len(s.chunks) - prefill))
         return s

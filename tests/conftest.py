@@ -15,6 +15,7 @@ from engine_helpers import engine_model
 from model_zoo import torch_threads
 
 from flashpage.patches import unpatch
+from flashpage.tiny import load_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,14 @@ def models() -> Iterator[dict[str, torch.nn.Module]]:
     yield built
     for m in built.values():
         unpatch(m)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Iterator[tuple[torch.nn.Module, object]]:
+    """The built-in model and its tokenizer (a module's tests share them; unpatched at the end)."""
+    model, tok = load_tiny_model()
+    yield model, tok
+    unpatch(model)
 
 
 @pytest.fixture(scope="module")

@@ -409,18 +409,26 @@ def readme_table(results: Sequence[TypeResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def marked_section(text: str, start: str, end: str) -> str:
+    """The generated part of a docs page: what stands between its ``start`` and ``end`` markers."""
+    if start not in text or end not in text:
+        raise ValueError(f"{README.name} lacks the {start} / {end} markers")
+    return text.split(start, 1)[1].split(end, 1)[0].strip("\n") + "\n"
+
+
+def write_marked(page: Path, start: str, end: str, body: str) -> None:
+    """Replace what stands between ``page``'s ``start`` and ``end`` markers with ``body``."""
+    head, rest = page.read_text().split(start, 1)
+    page.write_text(f"{head}{start}\n{body}{end}{rest.split(end, 1)[1]}")
+
+
 def readme_section(text: str) -> str:
     """The generated part of README (between the sweep-matrix markers)."""
-    if MATRIX_START not in text or MATRIX_END not in text:
-        raise ValueError(f"{README.name} lacks the {MATRIX_START} / {MATRIX_END} markers")
-    return text.split(MATRIX_START, 1)[1].split(MATRIX_END, 1)[0].strip("\n") + "\n"
+    return marked_section(text, MATRIX_START, MATRIX_END)
 
 
 def write_readme(results: Sequence[TypeResult], readme: Path = README) -> None:
-    text = readme.read_text()
-    head, rest = text.split(MATRIX_START, 1)
-    tail = rest.split(MATRIX_END, 1)[1]
-    readme.write_text(f"{head}{MATRIX_START}\n{readme_table(results)}{MATRIX_END}{tail}")
+    write_marked(readme, MATRIX_START, MATRIX_END, readme_table(results))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

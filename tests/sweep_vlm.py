@@ -236,15 +236,11 @@ def readme_table(results: Sequence[VlmResult]) -> str:
 
 
 def readme_section(text: str) -> str:
-    if MATRIX_START not in text or MATRIX_END not in text:
-        raise ValueError(f"{sm.README.name} lacks the {MATRIX_START} / {MATRIX_END} markers")
-    return text.split(MATRIX_START, 1)[1].split(MATRIX_END, 1)[0].strip("\n") + "\n"
+    return sm.marked_section(text, MATRIX_START, MATRIX_END)
 
 
 def write_readme(results: Sequence[VlmResult], readme: Path = sm.README) -> None:
-    text = readme.read_text()
-    head, rest = text.split(MATRIX_START, 1)
-    readme.write_text(f"{head}{MATRIX_START}\n{readme_table(results)}{MATRIX_END}{rest.split(MATRIX_END, 1)[1]}")
+    sm.write_marked(readme, MATRIX_START, MATRIX_END, readme_table(results))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,8 +19,6 @@ from flashpage.engine.outputs import RequestMetrics
 from flashpage.engine.sequence import Group, Seq
 from flashpage.engine.spec import PROBE_PERIOD, NgramIndex, SpeculativeConfig, Speculator, worth_proposing
 from flashpage.engine.structured import StructuredOutputsParams
-from flashpage.patches import unpatch
-from flashpage.tiny import load_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
 
@@ -31,13 +29,6 @@ TEXTS = ["The quick brown fox jumps over the lazy dog. " * 3 + "The quick brown"
          "Raise an exception if the value is not a string. Raise an exception if the value is",
          "The list of items is", "def f(x):\n    return x\ndef g(x):\n    return",
          "a b c d e f g a b c d e f g a b c", "Repeat after me: hello world, hello world, hello"]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model, tok = load_tiny_model()
-    yield model, tok
-    unpatch(model)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import torch
 
 from flashpage import LLM, SamplingParams
 from flashpage.bench.rl import chi2_homogeneity, chi2_sf
-from flashpage.patches import unpatch
 from flashpage.tiny import load_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
@@ -27,13 +26,6 @@ PROMPT = ", ".join(str(i) for i in range(1, 14)) + ","  # the model continues wi
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 CASES = {"temperature 0.8": SamplingParams(max_tokens=4, temperature=0.8, ignore_eos=True),
          "top-p 0.9": SamplingParams(max_tokens=4, top_p=0.9, ignore_eos=True)}
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model, tok = load_tiny_model()
-    yield model, tok
-    unpatch(model)
 
 
 @pytest.fixture(scope="module")

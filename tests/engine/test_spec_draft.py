@@ -10,7 +10,6 @@ import pytest
 from engine_helpers import engine_model, random_prompts
 
 from flashpage import LLM, SamplingParams
-from flashpage.patches import unpatch
 from flashpage.tiny import load_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
@@ -18,13 +17,6 @@ pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Return a new list of the", "import os\nimport",
          "Raise an exception if the value is", "The list of items is", "def f(x):\n    return",
          "a b c d e f g", "Repeat after me: hello world"]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model, tok = load_tiny_model()
-    yield model, tok
-    unpatch(model)
 
 
 def _ids(outs) -> list[list[list[int]]]:

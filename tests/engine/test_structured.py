@@ -22,7 +22,6 @@ from flashpage import LLM, SamplingParams
 from flashpage.engine.structured import GrammarEngine, StructuredOutputsParams, unpack_bitmask
 from flashpage.patches import is_patched, unpatch
 from flashpage.testing import compare_greedy
-from flashpage.tiny import load_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,13 +38,6 @@ ITEMS = {"type": "object", "properties": {
 DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"
 PROMPTS = ["The list of items is", "Return a new object when", "import os\n", "Raise an exception if"]
 BOUND = 64  # max_tokens: far more than any output of these bounded constraints needs
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model, tok = load_tiny_model()
-    yield model, tok
-    unpatch(model)
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from flashpage.bench.engine import MAX_BATCHED_TOKENS, _pool_blocks, _warm_prompts, make_workload, run_workload
-from flashpage.bench.models import load_average, load_bench_model
+from flashpage.bench.models import load_average
 
 CATEGORIES = ("linears", "attention", "norms/rotary/activations", "sampler", "scheduler + inputs", "other ops",
               "python")
@@ -148,13 +148,16 @@ def _engine_run(llm: Any, work: Any) -> tuple[float, int, int]:
 
 
 def run(workload: str = "mixed", model_name: str | None = None, quick: bool = False, seed: int = 0,
-        block_size: int = 128, vllm_python: str | None = None) -> dict[str, Any]:
+        block_size: int = 128, vllm_python: str | None = None, model_shape: str | None = None,
+        dtype: str = "bfloat16", num_layers: int | None = None) -> dict[str, Any]:
     """Profile one run of the workload; returns the per-category times and shares (and vLLM's, from
-    ``vllm_runner.py`` under ``vllm_python``, on the same model, requests and settings)."""
+    ``vllm_runner.py`` under ``vllm_python``, on the same model, requests and settings). ``model_shape``: a real
+    shape (flashpage/bench/shapes.py) in ``dtype`` with ``num_layers``, not ``model_name``."""
+    from flashpage.bench.engine import load_model
     from flashpage.engine import LLM, SamplingParams
     from flashpage.patches import unpatch
 
-    bm = load_bench_model(model_name, quick=quick, seed=seed)
+    bm, _ = load_model(model_name, quick, seed, model_shape, dtype, num_layers)
     work = make_workload(workload, bm.vocab_size, quick=quick, seed=seed)
     llm = LLM(bm.model, block_size=block_size, num_blocks=_pool_blocks(work, block_size),
               max_num_batched_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=False)
@@ -171,7 +174,9 @@ def run(workload: str = "mixed", model_name: str | None = None, quick: bool = Fa
     totals = attribute(prof.events(), profiled_s * 1e6)
     vllm = _vllm_breakdown(vllm_python, bm, work, block_size, seed) if vllm_python else None
     return {"vllm": vllm,"bench": "breakdown", "workload": workload, "workload_description": work.description,
-            "model": bm.name, "quick": quick, "threads": torch.get_num_threads(), "load_average_1m": load_average(),
+            "model": bm.name,
+            "dtype": str(next(bm.model.parameters()).dtype).removeprefix("torch."), "quick": quick,
+            "threads": torch.get_num_threads(), "load_average_1m": load_average(),
             "prefix_caching": False, "steps": steps, "output_tokens": generated, "wall_s": plain_s,
             "profiled_wall_s": profiled_s, "ms_per_step": plain_s / steps * 1e3,
             "categories": {k: {"profiled_ms": v / 1e3, "share": v / (profiled_s * 1e6)} for k, v in totals.items()},

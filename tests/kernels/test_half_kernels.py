@@ -7,7 +7,9 @@ summation error for the linear. Then the same ops against transformers' own half
 silu-and-mul, rotary): the same bits, up to float32 rounding of an intermediate (at most one step, in a few
 elements). Each runs on the engine's build (-march=native), the portable build (plain loops: CPUs without AVX-512)
 and, on x86-64, a -march=native build without AVX-512 BF16 (the widened-FMA linear). The half-precision attention
-kernel is in test_kernels_cpu.py (its hypothesis cases draw bfloat16 / float16 too).
+kernel is in test_kernels_cpu.py (its hypothesis cases draw bfloat16 / float16 too); its decode tiles that read the
+pages in place (head dims a multiple of 16, value dims of 128: real models' shapes, which those cases do not draw)
+are checked here against the same float64 oracle.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_kernels_cpu import _check  # its float64 paged-attention oracle and tolerance
 
 from flashpage.engine import linears
-from flashpage.kernels import cpu_fused
+from flashpage.kernels import cpu_attention, cpu_fused
 
 pytestmark = [pytest.mark.skipif(cpu_fused.status().name != "cpp", reason="no C++ compiler / ninja here"),
               pytest.mark.usefixtures("one_thread")]
@@ -58,7 +61,8 @@ def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @SETTINGS
-@given(rows=st.integers(1, 12), k=st.sampled_from([1, 7, 16, 31, 32, 33, 100, 1024]),
+@given(rows=st.sampled_from([1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 20, 31, 32, 33, 47, 48, 64, 95, 96]),
+       k=st.sampled_from([1, 7, 16, 31, 32, 33, 100, 1024]),
        n=st.sampled_from([1, 3, 4, 5, 64, 65, 130]), bias=st.booleans(), dtype=st.sampled_from(HALF),
        seed=st.integers(0, 999))
 def test_small_linear_matches_float64(ops, rows, k, n, bias, dtype, seed):
@@ -184,3 +188,33 @@ def test_half_linears_take_the_small_kernel_inside_the_scope(dtype):
                 assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))
         assert torch.equal(layer(few), F.linear(few, layer.weight, layer.bias))
     assert packs.nbytes() == 0
+
+
+@st.composite
+def _decode_batches(draw) -> dict:
+    """Paged-attention cases whose tiles are decode tiles (fewer than 16 (query, head) rows) with head_dim % 16 == 0
+    and value_dim % 128 == 0: the half-precision kernel's in-place path (attention_half.h, page_rows_direct)."""
+    batch = draw(st.integers(1, 5))
+    head_dim = draw(st.sampled_from([16, 128, 256]))
+    return dict(
+        seq_q=draw(st.lists(st.sampled_from([0, 1, 1, 1, 2, 3]), min_size=batch, max_size=batch).filter(any)),
+        seq_k=draw(st.lists(st.integers(3, 300), min_size=batch, max_size=batch)),  # every row sees a key
+        page=draw(st.sampled_from([1, 16, 128])), head_dim=head_dim,
+        value_dim=draw(st.sampled_from([128, 128, 256])), kv_heads=draw(st.sampled_from([1, 2, 3])),
+        group=draw(st.sampled_from([1, 2, 3, 4])), dtype=draw(st.sampled_from(HALF)), causal=draw(st.booleans()),
+        window=draw(st.sampled_from([(-1, -1), (-1, -1), (16, 0), (5, 5), (-1, 3), (0, 0)])),
+        softcap=draw(st.sampled_from([0.0, 0.0, 10.0])), s_aux=draw(st.booleans()),
+        extra_cols=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**16)), generic=False,
+    )
+
+
+@settings(deadline=None, max_examples=60, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(c=_decode_batches())
+def test_half_attention_decode_tiles_match_float64(c):
+    """The in-place decode tiles against the float64 oracle, with test_kernels_cpu's tolerance (one rounding step of
+    the dtype of the largest output, plus float32's) and its LSE checks."""
+    if cpu_attention.status().name != "cpp":
+        pytest.skip("no C++ attention kernel here")
+    _check(c)
+

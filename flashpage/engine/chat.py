@@ -5,8 +5,10 @@ A conversation is a list of ``{"role": ..., "content": ...}`` messages; content 
 ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` (data URLs only: nothing is fetched).
 
 - text only: the tokenizer's chat template (or ``chat_template=``) renders it, text parts of one message joined
-  with newlines (vLLM's "string" content format); the rendered text is tokenized without adding special tokens
-  (the template writes them), as ``tokenizer.apply_chat_template(..., tokenize=True)`` does;
+  with :data:`TEXT_PART_SEPARATOR` (a newline: vLLM's "string" content format, offline and served; ``flashpage
+  serve`` joins them the same way, so a client's parts give the same prompt as here); the rendered text is
+  tokenized without adding special tokens (the template writes them), as ``tokenizer.apply_chat_template(...,
+  tokenize=True)`` does;
 - with images (or when the chat template is the processor's only): the processor's chat template renders every
   message as parts (an image part becomes ``{"type": "image"}``, the placeholder the template writes), and the
   request is ``{"prompt": text, "multi_modal_data": {"image": [images in order]}}`` with the processor told not
@@ -21,6 +23,9 @@ from typing import Any
 from flashpage.engine.multimodal import load_image_url
 
 Message = Mapping[str, Any]
+# how the text parts of one message become the string a text-only chat template takes (vLLM's choice; transformers'
+# templates that take part lists iterate the parts themselves: those get the parts, see render)
+TEXT_PART_SEPARATOR = "\n"
 
 
 def conversations(messages: Sequence[Message] | Sequence[Sequence[Message]]) -> list[list[Message]]:
@@ -84,7 +89,7 @@ def render(conversation: list[Message], tokenizer: Any, processor: Any, *, chat_
             else:
                 images.append(_image_of(p))
                 rendered_parts.append({"type": "image"})
-        joined = "\n".join(p["text"] for p in rendered_parts if p["type"] == "text")
+        joined = TEXT_PART_SEPARATOR.join(p["text"] for p in rendered_parts if p["type"] == "text")
         text_messages.append({**m, "content": m["content"] if isinstance(m.get("content"), str) else joined})
         part_messages.append({**m, "content": rendered_parts})
     kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,

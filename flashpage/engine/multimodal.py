@@ -12,16 +12,27 @@ A request with images (``{"prompt": text, "multi_modal_data": {"image": PIL | [P
 - a step whose chunks cover such positions runs the model's eager forward on ``inputs_embeds`` (the token
   embedding of the step's ids with those rows put back; ``ModelRunner._embeds_logits``), never the flat or
   compiled step kinds;
-- M-RoPE models (Qwen2-VL, Qwen2.5-VL): the 3-D position ids the model computed for the prompt are kept too,
-  and every step of such a request runs that way, its positions after the prompt shifted by the request's delta;
+- M-RoPE models (Qwen2/2.5/3-VL, GLM-4V, ...): the 3-D position ids the model computed for the prompt (its own
+  ``get_rope_index``) are kept too, and every step of such a request runs that way, its positions after the prompt
+  shifted by the request's delta;
+- deepstack models (Qwen3-VL): the visual features the language model adds to its first layers' outputs at the
+  visual rows (``visual_pos_masks`` / ``deepstack_visual_embeds``) are kept too (:class:`Deepstack`); a step gives
+  the language model those of the rows its chunks cover, at their packed rows (:func:`deepstack_kwargs`);
+- two-way image attention (Gemma 3's image blocks, from ``token_type_ids``; Gemma 4's on its sliding layers, whose
+  per-layer inputs a step computes from its ids as the model does: :func:`per_layer_kwargs`): the spans of prompt
+  tokens that attend both ways are read from the masks the model built for the prompt (:class:`TwoWay`, refused
+  unless they rebuild those masks exactly); the scheduler never ends a chunk inside a span (a span longer than
+  ``max_num_batched_tokens`` is refused when the request is added) and the step plan carries each chunk's spans to
+  the attention, which computes those queries under the model's mask (flashpage/plan.py ``_two_way_rows``);
 - the prefix cache keys of a request's tokens from its first image row on carry a hash of the image inputs
   (:meth:`PromptEmbeds.cache_keys`; every processor output, grid sizes included): equal text with other images
   never shares pages; the text before the first image still does;
 - after a weight change the unfinished requests' embeddings are computed again from the kept image inputs.
 
-Exact for the decoders whose language model takes ``inputs_embeds`` as the only image input and attends causally
-(:data:`IMAGE_TYPES`, each one tested against unpatched ``generate()`` in tests/engine/test_llm_images.py); the
-others are refused by name (:data:`REFUSED`) when a request with images is added, before any forward.
+Exact for the decoders whose language model takes ``inputs_embeds`` (and deepstack features) as its image inputs
+and attends causally or in two-way spans (:data:`IMAGE_TYPES`, each one tested against unpatched ``generate()`` in
+tests/engine/test_llm_images.py); the others are refused by name (:data:`REFUSED`) when a request with images is
+added, before any forward.
 """
 
 from __future__ import annotations
@@ -29,7 +40,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,21 +50,25 @@ import torch
 # model types whose images in LLM equal unpatched generate() (tests/engine/test_llm_images.py)
 IMAGE_TYPES = frozenset({
     "llava", "llava_next", "llava_next_video", "llava_onevision", "video_llava", "vipllava", "mistral3", "lighton_ocr",
-    "aya_vision", "cohere2_vision", "deepseek_vl", "got_ocr2", "pp_chart2table", "idefics3", "smolvlm", "internvl",
-    "qianfan_ocr", "ovis2", "qwen2_vl", "qwen2_5_vl"})
+    "aya_vision", "cohere2_vision", "deepseek_vl", "got_ocr2", "pp_chart2table", "idefics2", "idefics3", "smolvlm",
+    "internvl", "qianfan_ocr", "ovis2", "janus", "llama4", "minimax_m3_vl",
+    # M-RoPE: the model's own 3-D positions per request
+    "qwen2_vl", "qwen2_5_vl", "glm4v", "glm4v_moe", "glm46v", "glm_ocr", "glmga", "hunyuan_vl", "hyperclovax_vision_v2",
+    # M-RoPE and deepstack: visual features added after the first decoder layers, at the step's visual rows
+    "qwen3_vl", "qwen3_vl_moe", "cosmos3_omni",
+    # M-RoPE with recurrent (gated delta net) layers: the engine's per-chunk recurrent forwards (engine/states.py)
+    "qwen3_5", "qwen3_5_moe",
+    # image tokens attending both ways (Gemma 3's image blocks, Gemma 4's on its sliding layers): TwoWay spans
+    "gemma3", "shieldgemma2", "gemma4"})
 
-_BIDIRECTIONAL = "its image tokens attend both ways (token_type_ids), which the engine's causal chunked prefill " \
-                 "cannot do; flashpage.patch(model) with model.generate() is exact for it"
-_MROPE = "its M-RoPE image positions are not verified in LLM yet (qwen2_vl and qwen2_5_vl are); " \
+_BIDIRECTIONAL = "its image tokens attend both ways (token_type_ids) and the engine's two-way spans are verified " \
+                 "for gemma3, shieldgemma2 and gemma4 only; flashpage.patch(model) with model.generate() is exact " \
+                 "for it"
+_MROPE = "its M-RoPE image positions are not verified in LLM yet (qwen2_vl, qwen3_vl, glm4v and others are); " \
          "flashpage.patch(model) with model.generate() is exact for it"
-_DEEPSTACK = "its language model takes the image features at several layers (deepstack_visual_embeds), which the " \
-             "engine's steps do not carry; flashpage.patch(model) with model.generate() is exact for it"
-REFUSED = {"gemma3": _BIDIRECTIONAL, "gemma3n": _BIDIRECTIONAL, "gemma4": _BIDIRECTIONAL,
-           "paligemma": _BIDIRECTIONAL, "shieldgemma2": _BIDIRECTIONAL,
-           "qwen3_vl": _DEEPSTACK, "qwen3_vl_moe": _DEEPSTACK,
-           **{t: _MROPE for t in ("qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe", "glm46v", "qwen2_5_omni",
-                                  "qwen3_omni_moe", "ernie4_5_vl", "ernie4_5_vl_moe", "paddleocr_vl", "video_llama_3",
-                                  "glm_ocr")}}
+REFUSED = {"gemma3n": _BIDIRECTIONAL, "paligemma": _BIDIRECTIONAL,
+           **{t: _MROPE for t in ("qwen2_5_omni", "qwen3_omni_moe", "ernie4_5_vl", "ernie4_5_vl_moe", "paddleocr_vl",
+                                  "video_llama_3")}}
 
 
 class _Captured(Exception):
@@ -75,6 +91,8 @@ class PromptEmbeds:
     inputs: dict[str, Any]
     mrope: torch.Tensor | None = None  # M-RoPE (Qwen2-VL): the prompt's (3, L) position ids; None: 1-D positions
     delta: int = 0  # ... and the offset of the positions after the prompt (max position + 1 - L)
+    deep: Deepstack | None = None  # Qwen3-VL: the features its first decoder layers add at the visual positions
+    two_way: TwoWay | None = None  # Gemma 3 / PaliGemma: prompt spans whose tokens attend both ways
 
     def __post_init__(self) -> None:
         self.first, self.last = int(self.positions[0]), int(self.positions[-1])
@@ -88,8 +106,10 @@ class PromptEmbeds:
         return torch.cat([head, tail], 1)
 
     def overlaps(self, start: int, end: int) -> bool:
-        """Whether prompt positions [start, end) hold image rows."""
-        return self.first < end and self.last >= start
+        """Whether prompt positions [start, end) hold image rows (or deepstack rows)."""
+        deep = self.deep is not None and self.deep.first < end and self.deep.last >= start
+        two_way = self.two_way is not None and any(self.two_way.step_spans(0, start, end).values())
+        return deep or two_way or (self.first < end and self.last >= start)
 
     def put(self, embeds: torch.Tensor, offset: int, start: int, end: int) -> None:
         """Write the image rows of positions [start, end) into ``embeds`` (T, hidden) from row ``offset`` on."""
@@ -100,9 +120,235 @@ class PromptEmbeds:
 
     def cache_keys(self, token_ids: Sequence[int], start: int) -> list[Any]:
         """Prefix-cache keys of ``token_ids`` (positions ``start``...): ids before the first image row, ``(id,
-        salt)`` from it on."""
+        salt)`` from it on; inside and after a two-way span also the hash of the spans' tokens (a span's K/V depend
+        on its later tokens: PaliGemma's span holds the prompt's text)."""
         first = self.first
-        return [t if start + i < first else (t, self.salt) for i, t in enumerate(token_ids)]
+        keys = [t if start + i < first else (t, self.salt) for i, t in enumerate(token_ids)]
+        if self.two_way is not None:
+            begin = self.two_way.first
+            keys = [k if start + i < begin else (k, self.two_way.salt) for i, k in enumerate(keys)]
+        return keys
+
+
+@dataclass
+class Deepstack:
+    """Qwen3-VL's deepstack inputs of one prompt: ``positions`` (k,) of its visual rows (``visual_pos_masks``) and
+    ``feats`` (layers, k, hidden): layer ``i``'s output gets ``feats[i]`` added at those rows."""
+
+    positions: torch.Tensor  # int64, CPU, ascending
+    feats: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.first, self.last = int(self.positions[0]), int(self.positions[-1])
+
+    def rows(self, start: int, end: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed rows (from ``offset``) of prompt positions [start, end) that are visual, and their features
+        (layers, n, hidden)."""
+        sel = (self.positions >= start) & (self.positions < end)
+        return self.positions[sel] - start + offset, self.feats[:, sel.to(self.feats.device)]
+
+
+@dataclass
+class TwoWay:
+    """The prompt spans ``[a, b)`` whose tokens attend to each other both ways (on top of the layer's causal or
+    sliding-window attention): to every later key of the span, and to earlier ones at most ``reach`` positions
+    back, per layer kind (``"full"``, ``"sliding"``: a
+    layer with a sliding window), read from the attention masks the model built for the prompt (Gemma 3's image
+    blocks from ``token_type_ids``; Gemma 4's on its sliding layers, earlier keys within the window) and checked
+    to rebuild them exactly. ``salt``: a hash of the spans' tokens (prefix-cache keys from the first span on)."""
+
+    spans: dict[str, list[tuple[int, int, int]]]
+    salt: str
+
+    def __post_init__(self) -> None:
+        every = [sp for kind in self.spans.values() for sp in kind]
+        self.first = min(a for a, _, _ in every)
+        self.longest = max(b - a for a, b, _ in every)
+
+    def cut(self, start: int, n: int) -> int:
+        """The most tokens (<= ``n``) a chunk from ``start`` may take without ending inside a span (whose later
+        tokens its earlier ones attend to): it stops before the span, or takes it whole; 0: wait for a bigger
+        budget (a chunk that starts inside a span, after a prefix-cache hit)."""
+        end = start + n
+        for kind in self.spans.values():
+            for a, b, _ in kind:
+                if a < end < b:
+                    end = a if a > start else start
+        return end - start
+
+    def step_spans(self, index: int, start: int, end: int) -> dict[str, list[tuple[int, int, int, int]]]:
+        """The spans a chunk of positions [start, end) (sequence ``index`` of the step) computes queries of, as
+        ``(index, a, b, reach)`` per kind."""
+        return {kind: [(index, a, b, r) for a, b, r in spans if a < end and b > start]
+                for kind, spans in self.spans.items()}
+
+
+def two_way_spans(spans: Sequence[tuple[PromptEmbeds | None, int, int]]
+                  ) -> dict[str, list[tuple[int, int, int, int]]]:
+    """A step's two-way spans per layer kind (``(sequence index, a, b, reach)``, what the step plan carries to the
+    attention: flashpage/plan.py) from each chunk's (embeds, start, end), in the step's sequence order; empty:
+    none."""
+    out: dict[str, list[tuple[int, int, int, int]]] = {}
+    for i, (mm, start, end) in enumerate(spans):
+        if mm is not None and mm.two_way is not None:
+            for kind, found in mm.two_way.step_spans(i, start, end).items():
+                out.setdefault(kind, []).extend(found)
+    return {k: v for k, v in out.items() if v}
+
+
+def _two_way(mask: Any, ids: Sequence[int], window: int | None) -> TwoWay | None:
+    """The two-way spans of the masks the language model got for the prompt (a (1, 1, L, L) mask, or one per
+    layer type: ``{"full_attention": ..., "sliding_attention": ...}``); None when every one is causal. A mask that
+    is not the layer's causal (sliding) mask plus blocks attending both ways (wholly, or later keys wholly and
+    earlier ones within the sliding window) is refused."""
+    masks = mask if isinstance(mask, Mapping) else {"full_attention": mask, "sliding_attention": mask}
+    length = len(ids)
+    spans: dict[str, list[tuple[int, int, int]]] = {}
+    for name, m in masks.items():
+        kind = "sliding" if "sliding" in str(name) else "full"
+        if not isinstance(m, torch.Tensor) or m.dim() != 4:  # None / a (1, L) padding mask: built causal inside
+            continue
+        if m.shape[0] != 1 or tuple(m.shape[-2:]) != (length, length):
+            raise ValueError(f"its {name} mask for the prompt has shape {tuple(m.shape)}, not (1, 1, L, L)")
+        grid = m[0, 0].cpu()
+        grid = grid if grid.dtype == torch.bool else grid > torch.finfo(grid.dtype).min / 2
+        blocks = _blocks(grid)
+        if not blocks:  # no token sees a later one: the layer's own (causal, sliding, chunked) attention, as before
+            continue
+        left = window - 1 if kind == "sliding" and window else None
+        for reach in [length] + ([left] if left is not None else []):
+            found = [(a, b, min(reach, b - a)) for a, b in blocks]
+            if torch.equal(_rebuilt(length, left, found), grid):
+                spans[kind] = found
+                break
+        else:
+            raise ValueError(f"its {name} attention mask for this prompt is not causal attention plus blocks of "
+                             "tokens attending both ways, which is all the engine's steps can run")
+    if not spans:
+        return None
+    h = hashlib.sha256(repr(sorted(spans.items())).encode())
+    first = min(a for found in spans.values() for a, _, _ in found)
+    last = max(b for found in spans.values() for _, b, _ in found)
+    h.update(repr(list(ids[first:last])).encode())
+    return TwoWay(spans, h.hexdigest())
+
+
+def _rebuilt(length: int, left: int | None, spans: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+    """The (L, L) mask of causal attention (within ``left`` earlier keys) plus ``spans`` (a, b, reach): what
+    flashpage/plan.py ``_two_way_rows`` computes."""
+    q = torch.arange(length)[:, None]
+    k = torch.arange(length)[None, :]
+    mask = k <= q
+    if left is not None:
+        mask &= k >= q - left
+    for a, b, reach in spans:
+        mask |= (q >= a) & (q < b) & (k >= a) & (k < b) & (q - k <= reach)
+    return mask
+
+
+def _blocks(grid: torch.Tensor) -> list[tuple[int, int]]:
+    """Runs [a, b) of positions each of which (but the last) sees the next one: the blocks attending both ways."""
+    nxt = torch.diagonal(grid, 1).tolist()  # row r sees key r + 1
+    found: list[tuple[int, int]] = []
+    for r, sees in enumerate(nxt):
+        if not sees:
+            continue
+        if found and found[-1][1] == r + 1:
+            found[-1] = (found[-1][0], r + 2)
+        else:
+            found.append((r, r + 2))
+    return found
+
+
+def deepstack_kwargs(spans: Sequence[tuple[PromptEmbeds | None, int, int]], total: int,
+                     device: torch.device) -> dict[str, Any] | None:
+    """A packed step's deepstack inputs for the language model: ``visual_pos_masks`` (1, ``total``) over the step's
+    rows and ``deepstack_visual_embeds`` (per layer, the features of those rows in packed order), from each chunk's
+    (embeds, start, end) in packing order: a chunk carries only the visual rows it covers. None: no visual row."""
+    rows, feats, offset = [], [], 0
+    for mm, start, end in spans:
+        if mm is not None and mm.deep is not None:
+            r, f = mm.deep.rows(start, end, offset)
+            if len(r):
+                rows.append(r)
+                feats.append(f)
+        offset += end - start
+    if not rows:
+        return None
+    mask = torch.zeros(1, total, dtype=torch.bool)
+    mask[0, torch.cat(rows)] = True
+    stacked = torch.cat(feats, 1).to(device)
+    return {"visual_pos_masks": mask.to(device), "deepstack_visual_embeds": list(stacked.unbind(0))}
+
+
+@contextmanager
+def language_model_inputs(model: Any, extra: Mapping[str, Any] | None) -> Iterator[None]:
+    """Within the block, the model's language model is called with ``extra`` kwargs in place of its own (its outer
+    forward, given ``inputs_embeds`` only, passes None for them)."""
+    if not extra:
+        yield
+        return
+
+    def give(_module: Any, args: tuple, kw: dict) -> tuple[tuple, dict]:
+        return args, {**kw, **extra}
+
+    handle = _language_model(model).register_forward_pre_hook(give, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def row_inputs(model: Any, chunks: Sequence[Any], ids: torch.Tensor, pos: torch.Tensor) -> tuple[dict[str, Any],
+                                                                                         dict[str, Any] | None]:
+    """A forward of ``chunks`` as ``[rows, length]`` (recurrent models' steps, engine/states.py; ``ids`` / ``pos``
+    (rows, length)): the model's inputs (``input_ids`` and ``position_ids``; where a chunk's request has images,
+    ``inputs_embeds`` with its image rows put back and, for M-RoPE, (3, rows, length) positions) and the deepstack
+    kwargs for its language model (None: none; see :func:`language_model_inputs`)."""
+    mms = [getattr(c.seq.group, "mm", None) for c in chunks]
+    if all(mm is None for mm in mms):
+        return {"input_ids": ids, "position_ids": pos}, None
+    embeds = model.get_input_embeddings()(ids)
+    length = ids.shape[1]
+    for b, (mm, c) in enumerate(zip(mms, chunks, strict=True)):
+        if mm is not None:
+            mm.put(embeds[b], 0, c.start, c.start + length)
+    if any(mm is not None and mm.mrope is not None for mm in mms):
+        pos = torch.stack([mm.rope_positions(c.start, c.start + length) if mm is not None and mm.mrope is not None
+                           else torch.arange(c.start, c.start + length).expand(3, -1)
+                           for mm, c in zip(mms, chunks, strict=True)], 1).to(ids.device)
+    rows = [deepstack_kwargs([(mm, c.start, c.start + length)], length, ids.device) for mm, c in zip(mms, chunks,
+                                                                                                     strict=True)]
+    deep = None
+    if any(r is not None for r in rows):
+        if len(chunks) > 1:  # never: a chunk with image rows is a prefill chunk, which runs alone
+            raise ValueError("deepstack features in a batched recurrent step are not supported")
+        deep = rows[0]
+    return {"inputs_embeds": embeds, "position_ids": pos}, deep
+
+
+def per_layer_kwargs(model: Any, input_ids: torch.Tensor, embeds: torch.Tensor) -> dict[str, Any]:
+    """Gemma 4's per-layer inputs of a step fed ``inputs_embeds``: its model derives them from the token ids with
+    the image placeholders replaced by the pad token (the image rows' embeddings cannot be looked up back), so the
+    step computes them the same way, with the model's own placeholder mask and lookup. Empty for other models."""
+    if not _per_layer(model):
+        return {}
+    inner, lm, text = model.model, _language_model(model), model.config.get_text_config(decoder=True)
+    masks = inner.get_placeholder_mask(input_ids, embeds)
+    placeholder = torch.zeros_like(input_ids, dtype=torch.bool)
+    for m in masks if isinstance(masks, tuple) else (masks,):
+        if isinstance(m, torch.Tensor):
+            placeholder |= (m if m.dim() == input_ids.dim() else m[..., 0]).to(placeholder.device)
+    ids = torch.where(placeholder, text.pad_token_id, input_ids)
+    return {"per_layer_inputs": lm.get_per_layer_inputs(ids, None)}
+
+
+def _per_layer(model: Any) -> bool:
+    """Whether the model feeds its language model per-layer inputs derived from the token ids (Gemma 4)."""
+    text = model.config.get_text_config(decoder=True)
+    return bool(getattr(text, "hidden_size_per_layer_input", None)) \
+        and hasattr(_language_model(model), "get_per_layer_inputs") \
+        and hasattr(getattr(model, "model", None), "get_placeholder_mask")
 
 
 def image_refusal(model: Any) -> str | None:
@@ -133,9 +379,10 @@ def _language_model(model: Any) -> Any:
 class ImageEncoder:
     """Prompt ids and image embeddings of image requests for one model (see the module docstring)."""
 
-    def __init__(self, model: Any, processor: Any = None) -> None:
+    def __init__(self, model: Any, processor: Any = None, budget: int | None = None) -> None:
         self.model = model
         self.processor = processor
+        self.budget = budget  # max_num_batched_tokens: a two-way span must fit one step
         self.device = next(model.parameters()).device
 
     def process(self, prompt: str, images: list[Any],
@@ -180,7 +427,8 @@ class ImageEncoder:
             handle.remove()
             if saved is not _MISSING:
                 inner.rope_deltas = saved
-        extra = sorted(k for k, v in seen.items() if v is not None and k not in _LM_KWARGS)
+        taken = _LM_KWARGS | set(_DEEPSTACK_KW) | ({"per_layer_inputs"} if _per_layer(self.model) else set())
+        extra = sorted(k for k, v in seen.items() if v is not None and k not in taken)
         if extra or seen.get("inputs_embeds") is None:
             raise ValueError(f"{type(self.model).__name__}'s language model takes image inputs beyond inputs_embeds "
                              f"({', '.join(extra) or 'no inputs_embeds'}), which the engine's steps do not carry")
@@ -192,8 +440,14 @@ class ImageEncoder:
         if not len(differ):
             raise ValueError("the images changed no prompt embedding: does the prompt hold the model's image "
                              "placeholder tokens?")
+        text = self.model.config.get_text_config(decoder=True)
+        two_way = _two_way(seen.get("attention_mask"), ids, getattr(text, "sliding_window", None))
+        if two_way is not None and self.budget is not None and two_way.longest > self.budget:
+            raise ValueError(f"this prompt's tokens at positions {two_way.spans} attend both ways and are computed "
+                             f"in one step, whose budget is max_num_batched_tokens={self.budget}: raise it to at "
+                             f"least {two_way.longest} (or use fewer image tokens)")
         return PromptEmbeds(differ, embeds[differ.to(embeds.device)].clone(), _digest(inputs), dict(inputs),
-                            mrope, delta)
+                            mrope, delta, _deepstack(seen), two_way)
 
 
 _MISSING = object()
@@ -202,6 +456,21 @@ _MISSING = object()
 _LM_KWARGS = frozenset({"input_ids", "inputs_embeds", "position_ids", "attention_mask", "cache", "past_key_values",
                         "use_cache", "cache_position", "return_dict", "output_attentions", "output_hidden_states",
                         "logits_to_keep", "output_router_logits"})
+
+
+_DEEPSTACK_KW = ("visual_pos_masks", "deepstack_visual_embeds")
+
+
+def _deepstack(seen: Mapping[str, Any]) -> Deepstack | None:
+    """Qwen3-VL's deepstack inputs as its language model got them for the prompt (batch of one); None: none."""
+    mask, feats = seen.get("visual_pos_masks"), seen.get("deepstack_visual_embeds")
+    if mask is None or not feats:
+        return None
+    positions = mask[0].nonzero().flatten().cpu()
+    if not len(positions):
+        return None
+    stacked = torch.stack([f.reshape(len(positions), -1) for f in feats])
+    return Deepstack(positions, stacked.clone())
 
 
 def _mrope(position_ids: Any, length: int) -> tuple[torch.Tensor | None, int]:

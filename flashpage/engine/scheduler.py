@@ -148,7 +148,9 @@ class Scheduler:
                 budget = min(budget, self.max_prefill_with_decodes - self._prefill_tokens(out))
                 if budget <= 0:
                     break
-            n = min(seq.remaining, budget)
+            n = _whole_spans(seq, min(seq.remaining, budget))
+            if not n:
+                continue
             draft = self._draft(seq, proposals.get(seq.seq_id), budget, len(decodes) - i - 1)
             if not self._make_room(seq, n, scheduled, out):
                 continue
@@ -220,8 +222,8 @@ class Scheduler:
                 seq.num_computed = cached
                 if seq.num_output == 0:
                     seq.group.metrics.cached_prompt_tokens = cached
-            n = min(seq.remaining, budget)
-            if not self._fits(seq, n):
+            n = _whole_spans(seq, min(seq.remaining, budget))
+            if not n or not self._fits(seq, n):
                 self._release(seq)  # give back its prefix hits; it stays first in line
                 seq.num_computed = 0
                 break
@@ -236,3 +238,10 @@ class Scheduler:
         if seq.in_cache:
             self.kv.free(seq.seq_id)
             seq.in_cache = False
+
+
+def _whole_spans(seq: Seq, n: int) -> int:
+    """``n`` tokens of ``seq`` from ``num_computed``, cut so no chunk ends inside a span of prompt tokens that attend
+    both ways (Gemma 3 images: engine/multimodal.py TwoWay); 0: none this step."""
+    two_way = getattr(getattr(seq.group, "mm", None), "two_way", None)
+    return n if two_way is None else two_way.cut(seq.num_computed, n)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from flashpage.engine.multimodal import language_model_inputs, row_inputs
 from flashpage.plan import InputLayout
 
 StateKey = Hashable  # (layer index, "conv" | "recurrent", state index)
@@ -255,8 +256,9 @@ def _run(model: Any, kv: Any, cache: Any, cache_kwarg: str, device: torch.device
     ids = torch.tensor([c.token_ids for c in fwd.chunks], device=device)
     pos = torch.tensor([list(range(c.start, c.start + c.num_tokens)) for c in fwd.chunks], device=device)
     keep = torch.tensor(positions or [length - 1], dtype=torch.long, device=device)
-    logits = model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=keep,
-                   **{cache_kwarg: cache}).logits
+    inputs, deep = row_inputs(model, fwd.chunks, ids, pos)  # image requests: their embeddings (engine/multimodal.py)
+    with language_model_inputs(model, deep):
+        logits = model(**inputs, use_cache=True, logits_to_keep=keep, **{cache_kwarg: cache}).logits
     if logits.shape[1] != keep.numel():  # a model that ignores logits_to_keep (xLSTM): every position's
         logits = logits.index_select(1, keep)
     states, previous = cache.read_states()

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flashpage.engine import SamplingParams, StructuredOutputsParams
+from flashpage.engine.chat import TEXT_PART_SEPARATOR
 
 
 @dataclass
@@ -110,7 +111,7 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content if isinstance(p, ContentPart))
+        return TEXT_PART_SEPARATOR.join(p.text for p in self.content if isinstance(p, ContentPart))  # as LLM.chat
 
 
 class ChatRequest(_Sampling):

@@ -123,3 +123,29 @@ def test_chat_with_images_equals_unpatched_generate() -> None:
                      use_tqdm=False, chat_template=LLAVA_TEMPLATE)
     finally:
         flashpage.unpatch(model)
+
+
+def test_served_text_parts_give_the_prompt_llm_chat_gives(tiny_llm) -> None:
+    """``flashpage serve``'s chat path (the request parsed, messages made for the template, rendered and encoded
+    on its tokenizer pool) joins a message's text parts as LLM.chat does (engine/chat.py TEXT_PART_SEPARATOR): the
+    same prompt ids, which differ from those of the parts run together."""
+    import asyncio
+    import json
+
+    from flashpage.serve import protocol as P
+    from flashpage.serve.structured import template_messages
+    from flashpage.serve.tokenize import TokenizerPool
+
+    tok = tiny_llm.tokenizer
+    content = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": content}]
+    req = P.parse(P.ChatRequest, json.dumps({"model": "m", "messages": conv}).encode())
+    pool = TokenizerPool(tok, workers=1)
+    try:
+        served = asyncio.run(pool.chat(template_messages(req.messages), tok.chat_template, True))
+    finally:
+        pool.close()
+    offline = tiny_llm.chat(conv, GREEDY, use_tqdm=False)[0].prompt_token_ids
+    assert served == offline
+    together = [conv[0], {"role": "user", "content": "onetwo"}]
+    assert served != _template_ids(tok, together)

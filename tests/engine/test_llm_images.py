@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlm_zoo import NotBuildable, sweep_image_case, tiny_gemma3, tiny_image, tiny_llava
+from vlm_zoo import NotBuildable, sweep_image_case, tiny_gemma3, tiny_gemma4, tiny_image, tiny_llava
 
 import flashpage
 from flashpage import LLM, SamplingParams
@@ -147,29 +147,80 @@ def test_preprocessed_inputs_with_prompt_token_ids(llava) -> None:
         flashpage.unpatch(model)
 
 
-SWEEP_TYPES = sorted(IMAGE_TYPES - {"llava"})
+SWEEP_TYPES = sorted(IMAGE_TYPES - {"llava", "gemma4"})  # (gemma4's 63-token image block: test_two_way_...)
+# M-RoPE types (the model's 3-D positions per request); qwen3_vl(_moe) and cosmos3_omni with deepstack features,
+# qwen3_5(_moe) with recurrent layers
+MROPE_TYPES = ["qwen2_vl", "qwen2_5_vl", "glm4v", "glm4v_moe", "glm46v", "glm_ocr", "glmga", "hunyuan_vl",
+               "hyperclovax_vision_v2", "qwen3_vl", "qwen3_vl_moe", "cosmos3_omni", "qwen3_5", "qwen3_5_moe"]
+
+
+def _image_case(model_type: str):
+    """The sweep's image case, with what the engine test needs beyond the sweep: images that move the logits by
+    more than the 1e-3 the tests ask (Idefics2's perceiver latents drown its image at random init: scaled down) and
+    room for Janus' 583-token prompt (its tiny config says 512 positions; plain RoPE, no table); ShieldGemma 2's
+    image tokens marked as its processor marks them (two-way blocks)."""
+    try:
+        case = sweep_image_case(model_type)
+    except NotBuildable as e:
+        pytest.skip(str(e))
+    model = case.model
+    with torch.no_grad():
+        if model_type == "idefics2":
+            model.model.connector.perceiver_resampler.latents.mul_(0.05)
+    if model_type == "shieldgemma2":  # a Gemma 3: its processor marks the image tokens, which then attend both ways
+        for batch in (case.inputs, case.other):
+            batch["token_type_ids"] = (batch["input_ids"] == model.config.image_token_id).long()
+    text = model.config.get_text_config(decoder=True)
+    if model_type == "janus":
+        text.max_position_embeddings = 1024
+    return case
+
+
+def _case_requests(case) -> tuple[list[dict], list]:
+    """The case's four image requests (two prompts, two image sets; pre-processed form) and their oracles."""
+    reqs, refs = [], []
+    for batch in (case.inputs, case.other):
+        for row in range(2):
+            ids, tensors = _row(batch, row)
+            refs.append(_oracle(case.model, {"input_ids": torch.tensor([ids]), **tensors}, max_new=MAX_NEW))
+            reqs.append({"prompt_token_ids": ids, "multi_modal_data": {"image": tensors}})
+    assert refs[0][0] != refs[2][0] or float((refs[0][1][0] - refs[2][1][0]).abs().max()) > 1e-3  # images matter
+    return reqs, refs
 
 
 @pytest.mark.parametrize("model_type", SWEEP_TYPES)
 def test_image_types_equal_generate(model_type: str) -> None:
     """Every type LLM takes images for (engine/multimodal.py IMAGE_TYPES) against unpatched generate(), with the
     sweep's hand-built image inputs (pre-processed form), two images, chunk boundaries inside the image blocks."""
-    try:
-        case = sweep_image_case(model_type)
-    except NotBuildable as e:
-        pytest.skip(str(e))
-    model, reqs, refs = case.model, [], []
-    for batch in (case.inputs, case.other):
-        for row in range(2):
-            ids, tensors = _row(batch, row)
-            refs.append(_oracle(model, {"input_ids": torch.tensor([ids]), **tensors}))
-            reqs.append({"prompt_token_ids": ids, "multi_modal_data": {"image": tensors}})
-    assert refs[0][0] != refs[2][0] or float((refs[0][1][0] - refs[2][1][0]).abs().max()) > 1e-3
+    case = _image_case(model_type)
+    model = case.model
+    reqs, refs = _case_requests(case)
     text = reqs[0]["prompt_token_ids"][:3]  # a text request beside them (M-RoPE: 1-D positions beside 3-D)
     refs.append(_oracle(model, {"input_ids": torch.tensor([text])}))
     llm = LLM(model, max_num_batched_tokens=7, block_size=4, check_invariants=True)
     try:
         outs = llm.generate(reqs + [text], GREEDY, use_tqdm=False)
+        for out, ref in zip(outs, refs, strict=True):
+            _assert_exact(out, ref)
+    finally:
+        flashpage.unpatch(model)
+
+
+@pytest.mark.parametrize("model_type", MROPE_TYPES)
+def test_mrope_image_types_split_and_preempted(model_type: str) -> None:
+    """M-RoPE (and deepstack) types with every image block split across chunks (3 tokens a step: the 6-token block
+    <vision_start> + 4 image tokens + <vision_end> takes two or three steps; deepstack features go to the rows each
+    chunk covers; recurrent models: each chunk's own forward carries its image rows) and a pool too small for the
+    four requests at once (preempted, recomputed from the kept embeddings, positions and deepstack features), with
+    prefix caching asked for (recurrent models turn it off): exact."""
+    case = _image_case(model_type)
+    model = case.model
+    reqs, refs = _case_requests(case)
+    llm = LLM(model, max_num_batched_tokens=3, block_size=2, num_blocks=12, max_model_len=24,
+              enable_prefix_caching=True, check_invariants=True)
+    try:
+        outs = llm.generate(reqs, GREEDY, use_tqdm=False)
+        assert llm.stats().preemptions > 0
         for out, ref in zip(outs, refs, strict=True):
             _assert_exact(out, ref)
     finally:
@@ -195,26 +246,71 @@ def _row(batch: dict, i: int) -> tuple[list[int], dict]:
     return ids, tensors
 
 
-def test_qwen3_vl_images_refused_by_name() -> None:
-    """Qwen3-VL's language model takes image features at several layers (deepstack): refused by name."""
-    from vlm_zoo import tiny_qwen_vl
+def _gemma4(shared_kv_layers: int = 0):
+    """The zoo's Gemma 4 with its video / audio token ids inside the tiny vocabulary (a checkpoint's are: the
+    model's inputs_embeds path looks their embeddings up)."""
+    model, processor = tiny_gemma4(shared_kv_layers)
+    model.config.audio_token_id = processor.tokenizer.audio_token_id
+    model.config.video_token_id = model.config.text_config.vocab_size - 1
+    return model, processor
 
-    model = tiny_qwen_vl("qwen3_vl")
-    llm = LLM(model)
+
+# builder, image placeholder, budget (a little over the image block: the chunk before a block stops at its start),
+# pool blocks (too few for every request at once: preemption), max_model_len
+TWO_WAY = {"gemma3": (tiny_gemma3, "<start_of_image>", 9, 14, 40),
+           "gemma4": (_gemma4, "<|image|>", 66, 34, 96),
+           "gemma4-shared-kv": (lambda: _gemma4(2), "<|image|>", 66, 34, 96)}
+TWO_WAY_PROMPTS = ["{} what is it", "some words before {} and after it, a longer question", "{}"]
+
+
+@pytest.fixture(scope="module", params=sorted(TWO_WAY))
+def two_way(request):
+    build, image, budget, blocks, max_len = TWO_WAY[request.param]
+    model, processor = build()
+    return model, processor, image, budget, blocks, max_len
+
+
+@pytest.mark.parametrize("small", [False, True])
+def test_two_way_image_blocks_equal_generate(two_way, small) -> None:
+    """Gemma 3's image tokens attend both ways (token_type_ids; Gemma 4's on its sliding layers, earlier keys within
+    the window): each block is computed in one chunk (small: a budget a little over the block, so the chunk before a
+    block stops at its start, and a pool too small for every request: preempted requests recompute), its queries
+    attend under the model's mask (flashpage/plan.py two-way spans; the sliding layers' window hides keys the block
+    sees), batched with a text request and with each other; the same image and text again hits the prefix cache
+    into the block (Gemma 4: a hit ending inside its block, whose rest is computed in one chunk from there)."""
+    model, processor, image, budget, blocks, max_len = two_way
+    reqs = [_request(processor, p.format(image), tiny_image(60 + i)) for i, p in enumerate(TWO_WAY_PROMPTS)]
+    text = "just some text"
+    refs = [_oracle(model, inputs, max_new=12) for _, inputs in reqs]
+    refs.append(_oracle(model, dict(processor.tokenizer(text, return_tensors="pt")), max_new=12))
+    types = "token_type_ids" if "token_type_ids" in reqs[1][1] else "mm_token_type_ids"
+    causal = model.generate(**{k: v for k, v in reqs[1][1].items() if k != types}, max_new_tokens=1,
+                            do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    assert float((torch.log_softmax(causal.logits[0][0].float(), -1) - refs[1][1][0]).abs().max()) > 1e-3  # 2-way
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True)
+    llm = LLM(model, processor, max_num_batched_tokens=budget if small else 2048, block_size=4,
+              num_blocks=blocks if small else None, max_model_len=max_len, enable_prefix_caching=True,
+              check_invariants=True)
     try:
-        with pytest.raises(ValueError, match="model_type='qwen3_vl'.*deepstack"):
-            llm.add_request({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": {"pixel_values": None}}})
+        outs = llm.generate([r for r, _ in reqs] + [text], params, use_tqdm=False)
+        for out, ref in zip(outs, refs, strict=True):
+            _assert_exact(out, ref)
+        assert llm.stats().preemptions > 0 or not small
+        again = llm.generate(reqs[1][0], params, use_tqdm=False)[0]
+        _assert_exact(again, refs[1])
+        marks = reqs[1][1][types][0].tolist()
+        assert again.metrics.cached_prompt_tokens > marks.index(1) + 2  # into (Gemma 3: through) the image block
     finally:
         flashpage.unpatch(model)
 
 
-def test_bidirectional_vlm_images_refused_by_name_before_any_forward() -> None:
-    """Gemma 3's image tokens attend both ways: LLM runs its text, and refuses an image request at add_request,
-    naming the type, before anything is queued or computed."""
+def test_two_way_block_longer_than_the_budget_refused_at_add() -> None:
+    """A block of tokens attending both ways is computed in one step: a budget smaller than it is refused when the
+    request is added, naming the setting, before anything is queued or computed."""
     model, processor = tiny_gemma3()
-    llm = LLM(model, processor=processor)
+    llm = LLM(model, processor=processor, max_num_batched_tokens=3)
     try:
-        with pytest.raises(ValueError, match="model_type='gemma3'.*both ways"):
+        with pytest.raises(ValueError, match="attend both ways.*max_num_batched_tokens=3.*at least 4"):
             llm.add_request({"prompt": "<start_of_image> hi", "multi_modal_data": {"image": tiny_image(0)}})
         assert not llm.has_unfinished_requests() and llm.stats().steps == 0
     finally:

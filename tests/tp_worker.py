@@ -130,6 +130,35 @@ def driver(llm: LLM, rank: int) -> dict[str, Any]:
     return out
 
 
+SPEC_PROMPTS = [p + " of the list of the list" for p in PROMPTS]  # repeats: n-gram lookups find something
+SPEC_PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def spec_counts(llm: LLM) -> list[float]:
+    s = llm.stats()
+    return [s.spec_proposed_tokens, s.spec_accepted_tokens, s.spec_verifications, s.spec_mean_acceptance_length]
+
+
+def speculative(model: Any, tok: Any, rank: int) -> dict[str, Any]:
+    """Speculative decoding on the sharded model: n-gram (greedy, then unseeded sampling with each rank's RNG
+    seeded differently: the verified tokens must be rank 0's) and a draft model loaded whole on every rank."""
+    ngram = LLM(model, tok, max_num_seqs=8, kv_cache_memory=1 << 22, speculative_config=NGRAM,
+                check_invariants=True)
+    greedy = ngram.generate(SPEC_PROMPTS, SPEC_PARAMS, use_tqdm=False)
+    out: dict[str, Any] = {"ngram": [o.outputs[0].token_ids for o in greedy], "ngram_counts": spec_counts(ngram)}
+    torch.manual_seed(5000 + rank)
+    sampled = ngram.generate(SPEC_PROMPTS, SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True),
+                             use_tqdm=False)
+    out["ngram_sampled"] = [o.outputs[0].token_ids for o in sampled]
+    out["ngram_sampled_counts"] = spec_counts(ngram)
+    draft = LLM(model, tok, max_num_seqs=8, kv_cache_memory=1 << 22, check_invariants=True,
+                speculative_config={"model": flashpage.tiny_model_path(), "num_speculative_tokens": 3})
+    outs = draft.generate(SPEC_PROMPTS, SPEC_PARAMS, use_tqdm=False)
+    out["draft"], out["draft_counts"] = [o.outputs[0].token_ids for o in outs], spec_counts(draft)
+    return out
+
+
 def divergence(llm: LLM, rank: int) -> dict[str, Any]:
     """Rank 1 asks for another prompt: every rank must refuse the step, none may hang."""
     prompt = PROMPTS[0] if rank == 0 else PROMPTS[1]
@@ -150,7 +179,7 @@ def main(out_dir: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
     tok = AutoTokenizer.from_pretrained(path)
     report: dict[str, Any] = {"generate": hf_generate(model, tok, rank), "greedy": greedy_llm(),
-                              "preemption": preemption_llm(model, tok)}
+                              "preemption": preemption_llm(model, tok), "speculative": speculative(model, tok, rank)}
     llm = LLM(model, tok, max_num_seqs=8, kv_cache_memory=1 << 22)
     report["sampling"] = sampling(llm, rank)
     report["aborts"] = aborts(llm, rank)

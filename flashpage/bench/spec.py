@@ -12,6 +12,7 @@ cache) and then ``--repeats`` times timed, alternating with and without speculat
 machine may be shared), on one LLM per configuration. Reported: output tokens per second, the ratio, speculation's
 mean acceptance length (tokens per verified sequence-step) and, for
 greedy runs, whether the outputs are token-identical. Torch runs on ``--threads`` threads (default 1).
+``--against vllm --vllm-python PATH``: vLLM's n-gram speculation beside it (:mod:`flashpage.bench.spec_vllm`).
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ def _timed(llms: tuple[Any, Any], prompts: list[list[int]], params: Any,
 def measure(workload: str, batch: int, max_tokens: int, base: Any, spec: Any, tok: Any, repeats: int = 5) -> Row:
     """Tokens/s of ``base`` and ``spec`` (LLMs on the same model) on one workload and batch size; acceptance
     counted over the warm-up and timed runs of ``spec``."""
+    return measure_with_tokens(workload, batch, max_tokens, base, spec, tok, repeats)[0]
+
+
+def measure_with_tokens(workload: str, batch: int, max_tokens: int, base: Any, spec: Any, tok: Any,
+                        repeats: int = 5) -> tuple[Row, list[list[int]]]:
+    """:func:`measure`, and the token ids ``base`` generated (one list per request)."""
     prompts, params = prompts_for(workload, batch, tok), params_for(workload, max_tokens)
     before = spec.stats()
     (rate_base, rate_spec), (ids_base, ids_spec) = _timed((base, spec), prompts, params, repeats)
@@ -92,7 +99,7 @@ def measure(workload: str, batch: int, max_tokens: int, base: Any, spec: Any, to
     return Row(workload, batch, round(rate_base, 1), round(rate_spec, 1), round(rate_spec / rate_base, 3),
                round((accepted + verified) / verified, 3) if verified else 0.0,
                round(accepted / proposed, 3) if proposed else 0.0,
-               ids_base == ids_spec if params.greedy else None)
+               ids_base == ids_spec if params.greedy else None), ids_base
 
 
 def run(batches: list[int], max_tokens: int, threads: int, spec_config: dict[str, Any],
@@ -113,17 +120,22 @@ def run(batches: list[int], max_tokens: int, threads: int, spec_config: dict[str
             "torch": torch.__version__, "rows": [asdict(r) for r in rows]}
 
 
+FIGURES_HEADER = f"{'base tok/s':>12}{'spec tok/s':>12}{'ratio':>8}{'accept len':>12}{'acc/prop':>10}{'identical':>11}"
+
+
+def row_figures(r: dict[str, Any]) -> str:
+    """One result row's figures, in the columns of :data:`FIGURES_HEADER`."""
+    same = "-" if r["identical"] is None else str(r["identical"])
+    return (f"{r['tokens_per_s_base']:>12.1f}{r['tokens_per_s_spec']:>12.1f}{r['ratio']:>7.2f}x"
+            f"{r['acceptance_length']:>12.2f}{r['accepted_per_proposed']:>10.2f}{same:>11}")
+
+
 def format_report(result: dict[str, Any]) -> str:
     lines = [f"flashpage bench spec: {result['model']}, {result['threads']} thread(s), {result['max_tokens']} "
              f"output tokens per request, best of {result['repeats']}, "
              f"speculative_config={json.dumps(result['speculative_config'])}",
-             f"{'workload':<9}{'batch':>6}{'base tok/s':>12}{'spec tok/s':>12}{'ratio':>8}{'accept len':>12}"
-             f"{'acc/prop':>10}{'identical':>11}"]
-    for r in result["rows"]:
-        same = "-" if r["identical"] is None else str(r["identical"])
-        lines.append(f"{r['workload']:<9}{r['batch']:>6}{r['tokens_per_s_base']:>12.1f}{r['tokens_per_s_spec']:>12.1f}"
-                     f"{r['ratio']:>7.2f}x{r['acceptance_length']:>12.2f}{r['accepted_per_proposed']:>10.2f}"
-                     f"{same:>11}")
+             f"{'workload':<9}{'batch':>6}{FIGURES_HEADER}"]
+    lines += [f"{r['workload']:<9}{r['batch']:>6}{row_figures(r)}" for r in result["rows"]]
     return "\n".join(lines)
 
 
@@ -137,6 +149,20 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                    help=f"the speculative_config to measure (default {json.dumps(DEFAULT_SPEC)})")
     b.add_argument("--json", action="store_true", help="print JSON")
     b.add_argument("--quick", action="store_true", help="a smaller, faster run (batch 1 and 8, 48 tokens)")
+    b.add_argument("--against", choices=["vllm"], default=None,
+                   help="also run vLLM with and without its n-gram speculation on the same saved model "
+                        "(flashpage/bench/spec_vllm.py); needs --vllm-python")
+    b.add_argument("--vllm-python", default=None, metavar="PATH", help="python of a virtual environment with vLLM")
+    b.add_argument("--model-shape", default=None, metavar="NAME",
+                   help="a real model shape (flashpage bench shapes) as the target, random weights; n-gram and a "
+                        "draft of its first --draft-layers layers (flashpage/bench/spec_shape.py)")
+    b.add_argument("--dtype", default="bfloat16", help="with --model-shape: its dtype (default bfloat16)")
+    b.add_argument("--num-layers", type=int, default=None,
+                   help="with --model-shape: the target's layers (default 8)")
+    b.add_argument("--draft-layers", type=int, default=None,
+                   help="with --model-shape: the draft's layers, the target's first ones (default 2)")
+    b.add_argument("--rounds", type=int, default=2,
+                   help="with --against vllm: alternating rounds of both systems, the fastest kept (default 2)")
 
 
 def _config(text: str | None) -> dict[str, Any]:
@@ -153,12 +179,72 @@ def _config(text: str | None) -> dict[str, Any]:
     return config
 
 
+def dumps(result: dict[str, Any]) -> str:
+    """``--json``: the result with its ``recorded_with`` (command, commit, versions, CPU, load, date)."""
+    from flashpage.bench.record import dumps as recorded
+
+    return recorded(result)
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """``flashpage bench spec``; exit 1 when a greedy run's outputs differ with speculation."""
     batches = [1, 8] if args.quick else [int(x) for x in str(args.batch_sizes).split(",") if x.strip()]
     if not batches or min(batches) < 1:
         raise SystemExit(f"--batch-sizes must list positive ints, got {args.batch_sizes!r}")
     config = _config(args.speculative_config)
-    result = run(batches, 48 if args.quick else args.max_tokens, args.threads, config, max(1, args.repeats))
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    max_tokens = 48 if args.quick else args.max_tokens
+    if args.against == "vllm" or args.vllm_python:
+        return _run_against_vllm(args, batches, max_tokens, config)
+    if args.model_shape is not None:
+        return _run_shape(args, batches, max_tokens, config)
+    result = run(batches, max_tokens, args.threads, config, max(1, args.repeats))
+    print(dumps(result) if args.json else format_report(result))
     return 0 if all(r["identical"] is not False for r in result["rows"]) else 1
+
+
+def _run_against_vllm(args: argparse.Namespace, batches: list[int], max_tokens: int, config: dict[str, Any]) -> int:
+    """``--against vllm``: flashpage/bench/spec_vllm.py; bad options are refused (exit 2) before any model loads."""
+    import sys
+
+    from flashpage.bench import spec_vllm
+
+    if args.against != "vllm":
+        print("flashpage bench spec: --vllm-python is for --against vllm; add --against vllm", file=sys.stderr)
+        return 2
+    if args.rounds < 1 or args.threads < 1:
+        print(f"flashpage bench spec: --rounds {args.rounds} / --threads {args.threads}: give at least 1",
+              file=sys.stderr)
+        return 2
+    try:
+        result = spec_vllm.run_against_vllm(args.vllm_python, batches, max_tokens, args.threads, config,
+                                            max(1, args.repeats), args.rounds)
+    except ValueError as exc:
+        print(f"flashpage bench spec --against vllm: {exc}", file=sys.stderr)
+        return 2
+    print(dumps(result) if args.json else spec_vllm.format_report(result))
+    return 0 if all(r["flashpage_spec_identical"] is not False for r in result["rows"]) else 1
+
+
+def _run_shape(args: argparse.Namespace, batches: list[int], max_tokens: int, config: dict[str, Any]) -> int:
+    """``--model-shape``: flashpage/bench/spec_shape.py. Exit 1 only for a float32 greedy mismatch (half
+    precision has no token contract: a verification row and a one-token step round differently)."""
+    import sys
+
+    from flashpage.bench import spec_shape
+    from flashpage.engine.spec import SpeculativeConfig
+
+    parsed = SpeculativeConfig.parse(config)
+    if parsed is None or parsed.method != "ngram":
+        print("flashpage bench spec --model-shape: --speculative-config is the n-gram one (the draft is the "
+              "target's first --draft-layers layers)", file=sys.stderr)
+        return 2
+    try:
+        result = spec_shape.run_shape(args.model_shape, args.dtype, args.num_layers or spec_shape.DEFAULT_LAYERS,
+                                      args.draft_layers or spec_shape.DEFAULT_DRAFT_LAYERS, batches, max_tokens,
+                                      args.threads, config, max(1, args.repeats))
+    except ValueError as exc:
+        print(f"flashpage bench spec --model-shape: {exc}", file=sys.stderr)
+        return 2
+    print(dumps(result) if args.json else spec_shape.format_report(result))
+    exact = result["shape"]["dtype"] != "float32" or all(r["identical"] is not False for r in result["rows"])
+    return 0 if exact else 1

@@ -8,7 +8,8 @@ SPEC (written by ``flashpage bench engine --against vllm``): ``model`` (a checkp
 ``kv_cache_memory_bytes``, ``max_model_len``, ``threads``. Every request is greedy with EOS ignored
 and submitted at once (``LLM.generate``); only that call is timed, after a warm-up ``generate``.
 OUT gets ``tokens`` (per request), ``seconds``, ``output_tokens``, ``vllm_version`` and the
-settings vLLM resolved. This file imports only the standard library and vLLM, so it runs in a
+settings vLLM resolved. A SPEC with ``cases`` (``flashpage bench spec --against vllm``) is run by
+:func:`measure_cases` instead. This file imports only the standard library and vLLM, so it runs in a
 virtual environment that does not have flashpage.
 """
 
@@ -137,6 +138,52 @@ def measure(spec: dict) -> dict:
             "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")}
 
 
+def measure_cases(spec: dict) -> dict:
+    """``flashpage bench spec --against vllm``: one vLLM engine (``spec['speculative_config']`` when given, e.g.
+    n-gram) over several ``cases`` (``name``, ``prompts``, ``max_tokens``, ``temperature``, ``seed``): each
+    generated once untimed, then ``repeats`` times timed (the fastest kept), with vLLM's speculation counters
+    (``vllm:spec_decode_*``) over all its runs."""
+    _threads_env(int(spec["threads"]))
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = {"speculative_config": spec["speculative_config"]} if spec.get("speculative_config") else {}
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"],
+              max_num_batched_tokens=spec["max_num_batched_tokens"],
+              enable_prefix_caching=spec["enable_prefix_caching"], block_size=spec["block_size"],
+              kv_cache_memory_bytes=spec["kv_cache_memory_bytes"], max_model_len=spec["max_model_len"],
+              skip_tokenizer_init=True, seed=0, disable_log_stats=False, **extra)
+    cases = []
+    for case in spec["cases"]:
+        params = SamplingParams(temperature=case["temperature"], seed=case.get("seed"), max_tokens=case["max_tokens"],
+                                ignore_eos=True, detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in case["prompts"]]
+        before = _spec_counters(llm)
+        best, tokens = float("inf"), []
+        for i in range(1 + int(spec.get("repeats", 1))):
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            if i:  # the first run warms up
+                best = min(best, time.perf_counter() - start)
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
+        after = _spec_counters(llm)
+        cases.append({"name": case["name"], "tokens": tokens, "seconds": best,
+                      "output_tokens": sum(len(t) for t in tokens),
+                      "spec": {k: after.get(k, 0) - before.get(k, 0) for k in after}})
+    return {"cases": cases, "vllm_version": vllm.__version__, "omp_threads_bind": os.environ.get(
+        "VLLM_CPU_OMP_THREADS_BIND"), "speculative_config": spec.get("speculative_config")}
+
+
+def _spec_counters(llm) -> dict:
+    """vLLM's speculative-decoding counters so far: drafts (proposals), draft_tokens, accepted_tokens."""
+    out = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode_num_") and getattr(metric, "value", None) is not None:
+            out[metric.name[len("vllm:spec_decode_num_"):]] = metric.value
+    return out
+
+
 def _peak_rss() -> int:
     """Bytes: this process's peak resident set plus its largest child's (vLLM's engine core process), so
     the in-process and the multiprocess engine count alike."""
@@ -152,7 +199,7 @@ def main(argv: list[str]) -> int:
         return 2
     with open(argv[1]) as f:
         spec = json.load(f)
-    result = measure(spec)
+    result = measure_cases(spec) if "cases" in spec else measure(spec)
     with open(argv[2], "w") as f:
         json.dump(result, f)
     return 0

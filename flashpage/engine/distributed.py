@@ -12,8 +12,8 @@ forward, whose all-reduces join the shards. What keeps the ranks in step (:class
 - aborts: an ``abort()`` made on any rank is applied on every rank when the next step starts (and
   reported by that step), so every rank ends the request after the same tokens;
 - a check: before each forward the ranks compare a digest of what they scheduled (requests, token
-  ids, positions) and all raise :class:`RankDivergence` if it differs, instead of silently feeding
-  the all-reduce different inputs (the usual cause: ranks added different requests or in a
+  ids, positions, speculative proposals) and all raise :class:`RankDivergence` if it differs,
+  instead of silently feeding the all-reduce different inputs (the usual cause: ranks added different requests or in a
   different order).
 
 Two ways to drive the ranks. SPMD (the default): every rank runs the same program and makes the
@@ -257,6 +257,12 @@ class TPSync:
                 "(same prompts, sampling params and request ids, in the same order, at the same point between "
                 "steps); see docs/tensor-parallel.md.")
 
+    def same_proposals(self, proposals: list[list[int]]) -> list[list[int]]:
+        """Rank 0's speculative proposals (one list per sequence asked, engine/spec.py), on every rank."""
+        box: list[Any] = [proposals]
+        dist.broadcast_object_list(box, group=self.info.group, group_src=0, device=self.info.device)
+        return box[0]
+
     def same_tokens(self, tokens: list[int]) -> list[int]:
         """Rank 0's sampled tokens, on every rank."""
         t = torch.tensor(tokens, dtype=torch.int64, device=self.info.device)
@@ -277,9 +283,12 @@ class TPSync:
         return [v for _k, v in pairs]
 
 
-def step_digest(parts: Iterable[tuple[str, int, int, list[int]]], preempted: Iterable[tuple[str, int]]) -> int:
+def step_digest(parts: Iterable[tuple[str, int, int, list[int]]], preempted: Iterable[tuple[str, int]],
+                drafts: Iterable[int] = ()) -> int:
     """A 63-bit digest of a step: (request id, sample index, first position, token ids) per chunk, and
-    the preempted samples; equal on every rank that scheduled the same step (process-independent)."""
+    the preempted samples; equal on every rank that scheduled the same step (process-independent).
+    ``drafts``: how many of each chunk's tokens are speculative proposals (its last ones; the token ids
+    include them); a step without any hashes as before."""
     h = hashlib.blake2b(digest_size=8)
     for rid, index, start, ids in parts:
         h.update(f"{rid}\x00{index}\x00{start}\x00{len(ids)}\x00".encode())
@@ -287,6 +296,9 @@ def step_digest(parts: Iterable[tuple[str, int, int, list[int]]], preempted: Ite
     h.update(b"\x01")
     for rid, index in preempted:
         h.update(f"{rid}\x00{index}\x00".encode())
+    counts = list(drafts)
+    if any(counts):
+        h.update(b"\x02" + array("q", counts).tobytes())
     return int.from_bytes(h.digest(), "little") >> 1
 
 

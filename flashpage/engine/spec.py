@@ -28,6 +28,13 @@ probes double the wait), so its rate can recover. When the engine-wide recent ra
 is worth proposing at the current batch size, only every ``PROBE_PERIOD``-th step (times B // 8 at larger
 batches, where a probe costs more) looks for proposals at all (an open-ended workload at a large batch then pays
 almost nothing for speculation being on).
+
+Under tensor parallelism every rank runs this same speculator on its replicated scheduler state: n-gram proposals
+and every switch-off decision depend only on the sequences' tokens and the verification counts, which all ranks
+agree on, so every rank proposes the same; a draft model (loaded whole on every rank) proposes greedily and rank
+0's proposals are broadcast anyway (``agree``: a float argmax need not be bit-equal across devices). The step
+digest covers each chunk's proposal (engine/distributed.py), and the verified tokens are rank 0's
+(:func:`flashpage.engine.spec_verify.agree`), so every rank keeps and rolls back the same tokens.
 """
 
 from __future__ import annotations
@@ -235,9 +242,12 @@ class SpecCounters:
 class Speculator:
     """Proposes tokens for the running decode sequences and learns from the verifications."""
 
-    def __init__(self, config: SpeculativeConfig, device_type: str = "cpu", draft: Any = None) -> None:
+    def __init__(self, config: SpeculativeConfig, device_type: str = "cpu", draft: Any = None,
+                 agree: Callable[[list[list[int]]], list[list[int]]] | None = None) -> None:
         self.config = config
         self.draft = draft  # a spec_draft.DraftProposer for method="draft_model"
+        # tensor parallel, draft model: rank 0's proposals (in the order of the sequences asked), on every rank
+        self.agree = agree
         self.counters = SpecCounters()
         self.steps = 0  # propose() calls
         self.step_overhead_tokens: float = STEP_OVERHEAD_TOKENS.get(device_type, STEP_OVERHEAD_TOKENS["cuda"])
@@ -274,6 +284,8 @@ class Speculator:
         wanted = {s: n for s, n in wanted.items() if s.grammar is None or check is not None}
         if self.draft is not None:
             out = self.draft.propose(wanted)
+            if self.agree is not None:  # a float model's argmax: every rank takes rank 0's
+                out = _agreed(out, [s.seq_id for s in wanted], self.agree)
         else:
             out = {s.seq_id: s.spec.index.propose(s.token_ids, n) for s, n in wanted.items()}
         if check is not None:
@@ -315,15 +327,30 @@ class Speculator:
         self._state(seq).record(proposed, accepted)
 
 
+def _agreed(out: dict[int, list[int]], order: list[int],
+            agree: Callable[[list[list[int]]], list[list[int]]]) -> dict[int, list[int]]:
+    """``out`` (seq_id -> proposal) replaced by rank 0's proposals for the same sequences (``order``: the seq_ids
+    asked, the same on every rank). If the ranks asked for different numbers of sequences, ``out`` is kept:
+    the step's digest check then stops every rank."""
+    theirs = agree([out.get(sid, []) for sid in order])
+    if len(theirs) != len(order):
+        return out
+    return dict(zip(order, theirs, strict=True))
+
+
 def check_spec_support(config: SpeculativeConfig | None, model: Any, recurrent: bool, tensor_parallel: bool) -> None:
     """Refuse speculation where the engine cannot make it exact: recurrent (SSM / linear-attention) layers, whose
-    state cannot be rolled back past rejected tokens cheaply, and tensor parallelism (not wired yet)."""
+    state cannot be rolled back past rejected tokens cheaply; under tensor parallelism, a draft model object that
+    is itself sharded (the draft runs whole on every rank, see :mod:`flashpage.engine.spec_draft`)."""
     if config is None:
         return
     name = type(model).__name__
     if recurrent:
         raise ValueError(f"speculative_config: {name} has recurrent (SSM / linear-attention) layers, whose state "
                          "cannot be rolled back past rejected tokens; leave speculative_config out for this model")
-    if tensor_parallel:
-        raise ValueError("speculative_config is not supported with tensor parallelism yet; leave it out, or run "
-                         "without tensor_parallel_size")
+    draft_tp = int(getattr(config.model, "_tp_size", None) or 1)
+    if draft_tp > 1:
+        where = "every tensor-parallel rank" if tensor_parallel else "the target's process"
+        raise ValueError(f"speculative_config: the draft model is sharded over {draft_tp} ranks (loaded with "
+                         f"tp_plan=); a draft model runs whole on {where}: load it without tp_plan, or give its "
+                         "path")

@@ -20,7 +20,7 @@ emit without speculation, whatever it is batched with.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -142,3 +142,21 @@ def record_logprobs(logits: torch.Tensor, seq: Seq, tokens: Sequence[int], rows:
     if seq.logprobs is None or not tokens:
         return
     Sampler._record_logprobs(logits[list(rows)].float(), [seq] * len(tokens), list(tokens))
+
+
+def agree(verdicts: Sequence[Verdict], drafts: Sequence[Sequence[int]],
+          same_tokens: Callable[[list[int]], list[int]]) -> list[Verdict]:
+    """Tensor parallel: rank 0's verdicts on every rank. Each verdict travels as ``1 + len(draft)`` ints (its
+    tokens, padded with -1), so the message has the same length on every rank; the rows follow from the tokens
+    (a verdict's tokens come from consecutive rows, from the first row of its sequence)."""
+    flat: list[int] = []
+    for verdict, draft in zip(verdicts, drafts, strict=True):
+        flat.extend(verdict.tokens + [-1] * (1 + len(draft) - len(verdict.tokens)))
+    agreed = same_tokens(flat)
+    out, at = [], 0
+    for verdict, draft in zip(verdicts, drafts, strict=True):
+        tokens = [t for t in agreed[at:at + 1 + len(draft)] if t >= 0]
+        at += 1 + len(draft)
+        first = verdict.rows[0]
+        out.append(Verdict(tokens, len(tokens) - 1, list(range(first, first + len(tokens)))))
+    return out

@@ -393,9 +393,29 @@ def test_verification_chunks_mixed_with_prefill_chunks(tiny_pair):
     assert results[0] == results[1]
 
 
-def test_tensor_parallel_is_refused():
-    from flashpage.engine.spec import check_spec_support
+def test_tensor_parallel_is_supported_but_a_sharded_draft_is_refused():
+    """n-gram and whole draft models run under TP (tests/engine/test_tp.py); a draft object sharded with tp_plan
+    is refused before anything is built; the digest-and-agree helpers keep rank 0's verdicts."""
+    from types import SimpleNamespace
 
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        check_spec_support(SpeculativeConfig(2, 2, 2), object(), recurrent=False, tensor_parallel=True)
-    check_spec_support(SpeculativeConfig(2, 2, 2), object(), recurrent=False, tensor_parallel=False)
+    from flashpage.engine.spec import check_spec_support
+    from flashpage.engine.spec_verify import Verdict, agree
+
+    check_spec_support(SpeculativeConfig(2, 2, 2), object(), recurrent=False, tensor_parallel=True)
+    sharded = SimpleNamespace(_tp_size=2)
+    config = SpeculativeConfig(2, 0, 0, method="draft_model", model=sharded)
+    with pytest.raises(ValueError, match="sharded over 2 ranks.*load it without tp_plan"):
+        check_spec_support(config, object(), recurrent=False, tensor_parallel=True)
+    mine = [Verdict([5, 6], 1, [0, 1]), Verdict([9], 0, [3])]
+    rank0 = [5, 6, 7, 4, -1]  # rank 0 kept all three of the first proposal, and the second's correction 4
+    sent: list[list[int]] = []
+    got = agree(mine, [[5, 6], [8]], lambda flat: sent.append(flat) or rank0)
+    assert sent == [[5, 6, -1, 9, -1]]  # padded: the same length on every rank
+    assert [(v.tokens, v.accepted, v.rows) for v in got] == [([5, 6, 7], 2, [0, 1, 2]), ([4], 0, [3])]
+    # a draft model's proposals: rank 0's, in the order of the sequences asked (one this rank had none for)
+    from flashpage.engine.spec import _agreed
+
+    asked: list[list[list[int]]] = []
+    assert _agreed({1: [5]}, [1, 2], lambda lists: asked.append(lists) or [[7], [8, 9]]) == {1: [7], 2: [8, 9]}
+    assert asked == [[[5], []]]
+    assert _agreed({1: [5]}, [1, 2], lambda lists: [[7]]) == {1: [5]}  # ranks asked differently: the digest stops

@@ -1,9 +1,10 @@
 """Tensor parallelism across processes: two ranks under torchrun (gloo, CPU, loopback rendezvous).
 
-One torchrun run of tests/tp_worker.py (about 20 s on 2 cores) serves every test here: greedy
+One torchrun run of tests/tp_worker.py (about 25 s on 2 cores) serves every test here: greedy
 patched generate() and LLM equal to the single-process model, each rank's pool holding its half of
 the KV heads, unseeded / seeded / stop-string sampling equal on both ranks, a preemption-heavy run
-equal to the single-process one, an abort made on rank 0 alone, and a divergence both ranks refuse.
+equal to the single-process one, speculative decoding (n-gram and a draft model) equal to the
+single-process run without it, an abort made on rank 0 alone, and a divergence both ranks refuse.
 """
 
 from __future__ import annotations
@@ -113,6 +114,24 @@ def test_sampling_is_the_same_on_every_rank(ranks: list[dict[str, Any]]) -> None
     assert a["stops"] == b["stops"]
     reasons = {reason for _text, reason, _ids in a["stops"]}
     assert "stop" in reasons and not any(" the" in text or "." in text for text, _r, _ids in a["stops"])
+
+
+def test_speculation_matches_single_process_without_it(ranks: list[dict[str, Any]], single: tuple[Any, Any]) -> None:
+    """n-gram and draft-model speculation on 2 ranks: greedy equals the single-process LLM without speculation,
+    and the ranks proposed, accepted and verified the same; unseeded sampling (each rank's RNG seeded
+    differently) keeps rank 0's verified tokens on both."""
+    want = LLM(*single, max_num_seqs=8, kv_cache_memory=1 << 22).generate(tp_worker.SPEC_PROMPTS,
+                                                                           tp_worker.SPEC_PARAMS, use_tqdm=False)
+    want_ids = [o.outputs[0].token_ids for o in want]
+    a, b = ranks[0]["speculative"], ranks[1]["speculative"]
+    for method in ("ngram", "draft"):
+        assert a[method] == b[method] == want_ids, method
+        assert a[f"{method}_counts"] == b[f"{method}_counts"], method
+        proposed, accepted, verifications, _length = a[f"{method}_counts"]
+        assert proposed > 0 and accepted > 0 and verifications > 0, method
+    assert a["draft_counts"][1] == a["draft_counts"][0]  # the draft is the model itself: every proposal holds
+    assert a["ngram_sampled"] == b["ngram_sampled"] and a["ngram_sampled_counts"] == b["ngram_sampled_counts"]
+    assert a["ngram_sampled_counts"][0] > a["ngram_counts"][0]  # the sampled run verified proposals too
 
 
 def test_abort_on_one_rank_ends_the_request_on_every_rank(ranks: list[dict[str, Any]]) -> None:
@@ -252,6 +271,10 @@ def test_step_digest_is_process_independent_and_sensitive() -> None:
                   [("b", 1, 5, [7]), ("a", 0, 0, [1, 2, 3])], [("a", 0, 0, [1, 2, 3])]):
         assert step_digest(other, [("c", 0)]) != base
     assert step_digest([("a", 0, 0, [1, 2, 3]), ("b", 1, 5, [7])], []) != base
+    # speculative proposals: which of a chunk's tokens are proposed counts; none proposed hashes as before
+    assert step_digest([("a", 0, 0, [1, 2, 3]), ("b", 1, 5, [7])], [("c", 0)], [0, 0]) == base
+    spec = step_digest([("a", 0, 0, [1, 2, 3]), ("b", 1, 5, [7])], [("c", 0)], [2, 0])
+    assert spec != base and spec != step_digest([("a", 0, 0, [1, 2, 3]), ("b", 1, 5, [7])], [("c", 0)], [1, 0])
 
 
 def test_tp_helpers_refuse_a_single_process_llm(single: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,8 +10,12 @@ Each rollout runs :class:`flashpage.LLM` on ``trainer.model`` itself, unwrapped 
 for generation (DDP/DeepSpeed/FSDP; a PEFT model runs with its LoRA layers, unmerged): nothing to
 sync after an optimizer step, no second copy of the weights. A prompt that TRL's sampler repeated
 ``num_generations`` times becomes one request with ``n=num_generations``, whose samples share the
-prompt's KV pages (copy-on-write). The trainer's generation settings are applied (temperature,
-top_p, top_k, min_p, repetition_penalty, max_completion_length, its EOS ids and the
+prompt's KV pages (copy-on-write). Vision-language models: TRL passes each prompt as a conversation whose
+image parts carry the images (``{"type": "image", "image": PIL}``); each distinct prompt goes through the
+trainer's processor once (its chat template, as TRL's own ``_tokenize_prompts``) and reaches the engine as
+``{"prompt_token_ids": ids, "multi_modal_data": {"image": processor outputs}}``, the engine's pre-processed image
+form (TRL's vLLM backend sends vLLM the same ids with the images). The trainer's generation settings are
+applied (temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length, its EOS ids and the
 ``generation_kwargs`` flashpage understands). The returned logprobs are, per sampled token,
 ``log_softmax(logits / temperature)``: what GRPOTrainer recomputes for the importance-sampling
 ratio. The model's train/eval mode (module by module) and its patch state are restored after the
@@ -120,18 +124,19 @@ class FlashpageRollout:
 
     def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
         """TRL's hook: ``prompts`` as the trainer holds them (each repeated per generation), one completion
-        per entry back: ``{"prompt_ids", "completion_ids", "logprobs"}`` (lists of int / float lists)."""
+        per entry back: ``{"prompt_ids", "completion_ids", "logprobs"}`` (lists of int / float lists); prompts
+        with images come back with their image tokens expanded, as TRL's own tokenization gives them."""
         check_trl()
         runs = group_repeats(prompts)
-        prompt_ids = tokenize_prompts(trainer, [p for p, _ in runs])
         params = [sampling_params(trainer, n) for _, n in runs]
         import time
 
         with generation_model(trainer) as model, restored(model):
+            prompt_ids, requests = rollout_requests(trainer, runs, model)
             llm = self._engine(model, prompt_ids, params)
             start = time.perf_counter()
             try:
-                outputs = llm.generate(prompt_ids, params, use_tqdm=False)
+                outputs = llm.generate(requests, params, use_tqdm=False)
             finally:
                 if self.release_kv:
                     self._llm = None
@@ -184,17 +189,75 @@ def group_repeats(prompts: Sequence[Any]) -> list[tuple[Any, int]]:
 
 
 def tokenize_prompts(trainer: Any, prompts: list[Any]) -> list[list[int]]:
-    """Token ids of each prompt exactly as GRPOTrainer tokenizes them for its own generate()
-    (chat template, tools, template kwargs); text-only."""
+    """Token ids of each text prompt exactly as GRPOTrainer tokenizes them for its own generate()
+    (chat template, tools, template kwargs); prompts with images go through :func:`image_requests`."""
     tokenize = getattr(trainer, "_tokenize_prompts", None)
     if tokenize is None:
         ids = trainer.processing_class(text=prompts)["input_ids"]
     else:
         ids, images, _ = tokenize(prompts)
         if images is not None:
-            raise NotImplementedError("flashpage rollouts are text-only; this batch has images: use TRL's own "
-                                      "generation for vision-language models")
+            raise ValueError("these prompts hold images: build their requests with image_requests()")
     return [list(map(int, x)) for x in ids]
+
+
+def prompt_images(prompt: Any) -> list[Any]:
+    """The images of a conversational prompt's ``{"type": "image", "image": ...}`` parts, in order (what TRL's
+    ``_tokenize_prompts`` collects); [] for a text prompt."""
+    if not isinstance(prompt, list):
+        return []
+    parts = [part for message in prompt if isinstance(message, dict) and isinstance(message.get("content"), list)
+             for part in message["content"]]
+    return [p["image"] for p in parts
+            if isinstance(p, dict) and p.get("type") == "image" and p.get("image") is not None]
+
+
+def rollout_requests(trainer: Any, runs: list[tuple[Any, int]], model: torch.nn.Module) -> tuple[list[list[int]], list]:
+    """Each run's prompt ids (image tokens expanded) and its LLM request: the token ids for a text-only batch,
+    :func:`image_requests` when any prompt holds images. Models the engine cannot take images for are refused
+    here, before any forward."""
+    prompts = [p for p, _ in runs]
+    if not any(prompt_images(p) for p in prompts):
+        ids = tokenize_prompts(trainer, prompts)
+        return ids, list(ids)
+    from flashpage.engine.multimodal import image_refusal
+
+    reason = image_refusal(model)
+    if reason is not None:
+        raise ValueError(f"flashpage rollouts cannot take images for {type(model).__name__} (model_type="
+                         f"{model.config.model_type!r}): {reason}. Drop rollout_func to use TRL's own generation")
+    firsts = [sum(n for _, n in runs[:i]) for i in range(len(runs))]
+    return image_requests(trainer, prompts, firsts)
+
+
+def image_requests(trainer: Any, prompts: list[Any], firsts: list[int]) -> tuple[list[list[int]], list]:
+    """Each conversational prompt through the trainer's processor on its own, rendered and tokenized as
+    GRPOTrainer's ``_tokenize_prompts`` does (``prepare_multimodal_messages``, the trainer's chat template, tools
+    (per environment: the batch's ``firsts`` index its environments) and template kwargs): its ids, and the LLM
+    request ``{"prompt_token_ids": ids, "multi_modal_data": {"image": processor outputs}}`` (plain ids for a
+    prompt without images)."""
+    from trl.data_utils import prepare_multimodal_messages
+
+    processor = trainer.processing_class
+    if getattr(processor, "image_processor", None) is None:
+        raise ValueError(f"prompts with images need the model's processor as the trainer's processing_class, got "
+                         f"{type(processor).__name__}: GRPOTrainer(..., processing_class=AutoProcessor...)")
+    envs = getattr(trainer, "environment_factories", None)
+    all_ids, requests = [], []
+    for prompt, first in zip(prompts, firsts, strict=True):
+        tools = trainer._env_tools[trainer._batch_environments[first]] if envs is not None \
+            else getattr(trainer, "tools", None)
+        out = processor.apply_chat_template(
+            conversation=[prepare_multimodal_messages(prompt)], tools=tools or None,
+            chat_template=getattr(trainer, "chat_template", None), add_generation_prompt=True, tokenize=True,
+            return_dict=True, return_tensors="pt", **(getattr(trainer, "chat_template_kwargs", None) or {}))
+        ids = [int(t) for t in out.pop("input_ids")[0]]
+        out.pop("attention_mask", None)
+        all_ids.append(ids)
+        fields = {k: v for k, v in out.items() if v is not None}
+        requests.append({"prompt_token_ids": ids, "multi_modal_data": {"image": fields}}
+                        if prompt_images(prompt) else ids)
+    return all_ids, requests
 
 
 def sampling_params(trainer: Any, n: int) -> SamplingParams:

@@ -54,6 +54,10 @@ def _bench(args: argparse.Namespace) -> int:
         from flashpage.bench.structured import run_cli as run_structured
 
         return run_structured(args)
+    if args.bench == "vlm":
+        from flashpage.bench.vlm import run_cli as run_vlm
+
+        return run_vlm(args)
     from flashpage.bench.runner import run_bench
 
     return run_bench(args)
@@ -330,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "warm-up (as vLLM compiles at startup); the warm-up time is reported")
         if name in ("generate", "engine", "tp"):
             _add_model(b, BENCH_MODEL)
-        if name == "engine":
+        if name in ("engine", "generate"):
             _add_model_shape(b)
         if name == "rl":
             _add_model(b)  # the built-in tiny model: GRPO needs a tokenizer
@@ -339,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
             _add_model(b, BENCH_MODEL)
             b.add_argument("--vllm-python", default=None, metavar="PATH",
                            help="also profile vLLM (its interpreter), same model and requests")
+            _add_model_shape(b)
         if name == "tp":
             b.add_argument("--tp-sizes", default="1,2",
                            help="rank counts to run, each under its own torchrun on this machine (default 1,2); "
@@ -362,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=64, help="output tokens per request at most (default 64)")
     b.add_argument("--json", action="store_true", help="print JSON")
     b.add_argument("--quick", action="store_true", help="a smaller, faster run")
+    from flashpage.bench.vlm import add_arguments as add_vlm_arguments
+
+    add_vlm_arguments(bsub.add_parser("vlm", help="a vision-language workload: LLM vs padded generate() (and vLLM)"))
     p.set_defaults(func=_bench)
     _add_serve(sub)
     return parser

@@ -10,14 +10,20 @@ included, whatever exists by then) to those cores. ``flashpage serve`` binds by 
 leaves it alone unless the caller binds (``flashpage.bind_cpu_threads("auto")``).
 
 Linux only (``os.sched_setaffinity``); elsewhere binding reports why it did nothing.
+
+:class:`ThreadGovernor`: the engine's steps drop to one intra-op thread while other processes keep the
+cores busy (OpenMP's spinning workers wait for descheduled siblings at every parallel region), and go
+back to the caller's count when the cores free up.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -158,3 +164,102 @@ def _thread_ids() -> list[int]:
         return [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
         return [0]  # the calling thread
+
+
+GOVERNOR_ENV = "FLASHPAGE_ADAPTIVE_THREADS"  # "0": engine steps always use torch's thread count
+
+
+def run_queue_wait_ns() -> int | None:
+    """Nanoseconds this process's threads have spent runnable but waiting for a core (the second field of
+    each ``/proc/self/task/*/schedstat``), summed; None where the OS does not say (not Linux)."""
+    total = 0
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):  # the thread ended meanwhile, or no schedstat
+            continue
+    return total
+
+
+@dataclass
+class ThreadGovernor:
+    """Intra-op threads for the engine's steps when other processes share the cores.
+
+    OpenMP's worker threads spin at the end of every parallel region for the others; when a core is
+    taken by another process, a step's hundreds of small parallel regions each wait for a descheduled
+    thread, and a 2-thread engine on a shared 2-core machine ran 10x slower than with one thread
+    (``flashpage bench engine --quick``, load average 9: 7.7 vs 82.5 tok/s). The governor watches how long
+    the process's threads wait for a core (``run_queue_wait_ns``) per thread-second of step time, over
+    windows of ``window_s``: above ``down_at``, steps run on one thread (the caller's count is restored
+    after every step: nothing outside the engine changes); on one thread, a window below ``up_at`` tries
+    the caller's count again, at most every ``backoff_s`` seconds (doubled after each failed try, up to
+    ``max_backoff_s``). A no-op on one thread, off Linux, on GPU models and with ``FLASHPAGE_ADAPTIVE_THREADS=0``.
+    """
+
+    enabled: bool = True
+    window_s: float = 0.5
+    down_at: float = 0.35
+    up_at: float = 0.05
+    backoff_s: float = 10.0
+    max_backoff_s: float = 120.0
+    reduced: bool = False  # steps run on one thread
+    reduced_steps: int = 0  # steps that ran on one thread instead of the caller's count
+    _wait: float = 0.0  # seconds to wait (from the window's end) before trying the caller's count again
+    _retry_at: float = 0.0
+    _window_start: float = 0.0
+    _window_busy: float = 0.0  # thread-seconds of steps in this window
+    _window_wait_ns: int = 0  # run-queue wait at the window's start
+    _step_start: float = 0.0
+    _caller_threads: int = 0
+
+    @classmethod
+    def for_device(cls, device: Any) -> ThreadGovernor:
+        """On for CPU models on Linux unless ``FLASHPAGE_ADAPTIVE_THREADS=0``; it starts on one thread when the
+        load average already covers every usable core (other processes' work: the engine has not run yet)."""
+        on = (getattr(device, "type", str(device)) == "cpu" and os.environ.get(GOVERNOR_ENV, "1") != "0"
+              and run_queue_wait_ns() is not None)
+        busy = on and os.getloadavg()[0] >= len(usable_cores())
+        return cls(enabled=on, reduced=busy, _wait=cls.backoff_s if busy else 0.0,
+                   _retry_at=time.perf_counter() + cls.backoff_s if busy else 0.0)
+
+    def begin(self) -> None:
+        """Before a step: one thread while reduced (the caller's count is kept to restore)."""
+        self._caller_threads = torch.get_num_threads()
+        self._step_start = time.perf_counter()
+        if self.enabled and self.reduced and self._caller_threads > 1:
+            torch.set_num_threads(1)
+            self.reduced_steps += 1
+
+    def end(self) -> None:
+        """After a step (also a failed one): the caller's count back; a window's verdict when one is over."""
+        now = time.perf_counter()
+        used = torch.get_num_threads()
+        if used != self._caller_threads:
+            torch.set_num_threads(self._caller_threads)
+        if not self.enabled or self._caller_threads <= 1:
+            return
+        self._window_busy += (now - self._step_start) * used
+        if now - self._window_start < self.window_s:
+            return
+        wait_ns = run_queue_wait_ns()
+        if wait_ns is None:
+            return
+        if self._window_start > 0.0 and self._window_busy > 0.0:
+            self.decide((wait_ns - self._window_wait_ns) / 1e9 / self._window_busy, now)
+        self._window_start, self._window_busy, self._window_wait_ns = now, 0.0, wait_ns
+
+    def decide(self, waiting: float, now: float) -> None:
+        """One window's verdict: ``waiting`` = run-queue seconds per thread-second of step time."""
+        if not self.reduced and waiting > self.down_at:
+            self.reduced = True
+            self._wait = min(self.max_backoff_s, self._wait * 2) if self._wait else self.backoff_s
+            self._retry_at = now + self._wait
+        elif not self.reduced and waiting < self.up_at:
+            self._wait = 0.0  # the caller's count held for a whole window: the next fall waits the least
+        elif self.reduced and waiting < self.up_at and now >= self._retry_at:
+            self.reduced = False

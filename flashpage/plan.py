@@ -98,6 +98,9 @@ class StepPlan:
     # packed input, varlen mode: runs of sequences with one query length, (first token, first
     # sequence, sequences, query length) each: the PyTorch kernels attend run by run
     segments: list[tuple[int, int, int, int]] | None = None
+    # spans of positions [a, b) of sequence i whose queries also see each other's keys up to ``reach`` positions
+    # away (image tokens attending both ways: Gemma 3 / 4), per layer kind ("full", "sliding"): (i, a, b, reach)
+    two_way: dict[str, list[tuple[int, int, int, int]]] | None = None
     _on_device: dict[torch.device, DeviceStep] = field(default_factory=dict, repr=False)
 
     @property
@@ -162,8 +165,16 @@ class DeviceStep:
         """Attention of a layer's queries over the pages.
 
         query: (R, H, L, D) in transformers' layout with R * L input positions (R rows of L, as
-        the plan's layout says). Returns (R, L, H, Dv) contiguous.
+        the plan's layout says). Returns (R, L, H, Dv) contiguous. The queries of a plan's two-way spans
+        are computed again under their mask (:func:`_two_way_rows`).
         """
+        out = self._attend(query, k_pages, v_pages, opts, s_aux)
+        if self.plan.two_way:
+            _two_way_rows(self, out, query, k_pages, v_pages, opts, s_aux)
+        return out
+
+    def _attend(self, query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
+                s_aux: torch.Tensor | None = None) -> torch.Tensor:
         rows, heads, length, _ = query.shape
         fast = self._cpu_attend(query, k_pages, v_pages, opts, s_aux)
         if fast is not None:
@@ -211,8 +222,7 @@ class DeviceStep:
         kernel = None
         if (self.token_index is None and self.pad_rows is None
                 and cpu_attention.eligible(query.detach(), k_pages.detach(), v_pages.detach())
-                and dispatch.layer_kernel(query.device, query.dtype, self.plan.block_size, False, False,
-                                          query.shape[-1]) is None):  # a flash-attn build for CPU (tests) goes first
+                and self._flash(query, False, False) is None):  # a flash-attn build for CPU (tests) goes first
             kernel = cpu_attention.load()
         if kernel is not None:
             tokens = rows * length
@@ -228,6 +238,15 @@ class DeviceStep:
         self._masks[key] = meta
         return meta
 
+    def _flash(self, query: torch.Tensor, sinks: bool, softcap: bool) -> dispatch.LayerKernel | None:
+        """The flash-attn kernel this step's layers of this kind run on (None: flashpage's own kernels), chosen
+        on the first such layer's call and kept for the step: one backend choice per step, not per layer."""
+        key = ("flash", query.device, query.dtype, sinks, softcap, query.shape[-1])
+        if key not in self._masks:
+            self._masks[key] = dispatch.layer_kernel(query.device, query.dtype, self.plan.block_size, sinks, softcap,
+                                                     query.shape[-1])
+        return self._masks[key]
+
     def _kvcache(self, qh: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, opts: LayerOptions,
                  s_aux: torch.Tensor | None) -> torch.Tensor:
         # ALiBi and chunked attention: the PyTorch kernels (static shapes, traceable; flash-attn has no chunks)
@@ -236,8 +255,7 @@ class DeviceStep:
             return paged.attend_compiled(qh, k_pages, v_pages, self.block_table, self.seqlens_k, opts, s_aux,
                                          self.empty_rows)
         table = self.block_table if torch.compiler.is_compiling() else self.block_table[:, : self.read_blocks]
-        kernel = None if own else dispatch.layer_kernel(qh.device, qh.dtype, self.plan.block_size, s_aux is not None,
-                                                        opts.softcap > 0, qh.shape[-1])
+        kernel = None if own else self._flash(qh, s_aux is not None, opts.softcap > 0)
         if kernel is not None:
             return kernel.kvcache(qh.transpose(1, 2), k_pages, v_pages, table, self.seqlens_k, opts).transpose(1, 2)
         sq = qh.shape[2]
@@ -280,8 +298,8 @@ class DeviceStep:
         if opts.chunk and plan.segments is None:
             raise NotImplementedError("chunked attention runs on the PyTorch mask path, which needs the step's "
                                       "sequences as runs of equal query length (DeviceStep.supports_chunks)")
-        if plan.segments is not None and (opts.alibi_slopes is not None or opts.chunk or dispatch.layer_kernel(
-                q.device, q.dtype, plan.block_size, s_aux is not None, opts.softcap > 0, q.shape[-1]) is None):
+        if plan.segments is not None and (opts.alibi_slopes is not None or opts.chunk
+                                          or self._flash(q, s_aux is not None, opts.softcap > 0) is None):
             return self._segments(q, k_pages, v_pages, opts, s_aux)
         flat = q if self.token_index is None else q.index_select(0, self.token_index)
         out = dispatch.layer_varlen(flat, k_pages, v_pages, self.cu_seqlens_q, self.cu_seqlens_k,
@@ -302,6 +320,49 @@ class DeviceStep:
             pad_out = paged.attend_static(pq, k_pages, v_pages, table, self.pad_visible, single, s_aux)
             full.index_copy_(0, self.pad_rows, pad_out.squeeze(2))
         return full
+
+
+def _two_way_rows(step: DeviceStep, out: torch.Tensor, query: torch.Tensor, k_pages: torch.Tensor,
+                  v_pages: torch.Tensor, opts: LayerOptions, s_aux: torch.Tensor | None) -> None:
+    """Rewrite in ``out`` (1, T, H, Dv) the rows of the step's queries inside a two-way span ``[a, b)`` of this
+    layer's kind: each attends as the layer does (causal, within its sliding window) and also to the later keys of
+    its span and its earlier ones at most ``reach`` back (all on the pages: a chunk never ends inside a span), in
+    float32 over the sequence's keys read back from the pages, as transformers' sdpa computes the model's mask."""
+    plan = step.plan
+    spans = (plan.two_way or {}).get("full" if tuple(opts.window_size) == (-1, -1) else "sliding")
+    if not spans:
+        return
+    if plan.token_index is not None or query.shape[0] != 1 or s_aux is not None or opts.alibi_slopes is not None \
+            or opts.chunk:
+        raise NotImplementedError("flashpage: two-way attention spans run in packed steps without sinks, ALiBi or "
+                                  "chunked attention only")
+    heads, d = query.shape[1], query.shape[3]
+    scale = d**-0.5 if opts.softmax_scale is None else float(opts.softmax_scale)
+    size, kv_heads = k_pages.shape[1], k_pages.shape[2]
+    flat_k, flat_v = k_pages.reshape(-1, kv_heads, d), v_pages.reshape(-1, kv_heads, v_pages.shape[-1])
+    for i, a, b, reach in spans:
+        context, n = plan.context_lens[i], plan.query_lens[i]
+        lo, hi = max(a, context), min(b, context + n)
+        if lo >= hi:
+            continue
+        if b > context + n:
+            raise RuntimeError(f"flashpage: a chunk ends at {context + n}, inside the two-way span [{a}, {b})")
+        keys = torch.arange(context + n, device=query.device)
+        slots = step.block_table[i].long()[keys // size] * size + keys % size
+        k = flat_k.index_select(0, slots).float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        v = flat_v.index_select(0, slots).float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        row = int(plan.cu_seqlens_q[i]) + lo - context
+        q = query[0, :, row:row + hi - lo].float()  # (H, m, D)
+        scores = q @ k.transpose(1, 2) * scale
+        if opts.softcap:
+            scores = torch.tanh(scores / opts.softcap) * opts.softcap
+        qp = torch.arange(lo, hi, device=query.device)[:, None]
+        visible = keys[None, :] <= qp
+        if opts.window_size[0] >= 0:
+            visible &= keys[None, :] >= qp - opts.window_size[0]
+        visible |= (keys[None, :] >= a) & (keys[None, :] < b) & (qp - keys[None, :] <= reach)
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[0, row:row + hi - lo] = (probs @ v).transpose(0, 1).to(out.dtype)
 
 
 def _move(plan: StepPlan, device: torch.device) -> DeviceStep:

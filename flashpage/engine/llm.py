@@ -43,6 +43,7 @@ from flashpage.engine.scheduler import Chunk, Schedule, Scheduler
 from flashpage.engine.sequence import Group, Seq
 from flashpage.engine.sizing import KVSizing, plan_kv_pool, pool_warning
 from flashpage.engine.spec import SpeculativeConfig, Speculator, check_spec_support
+from flashpage.engine.spec_verify import agree as agree_verdicts
 from flashpage.engine.spec_verify import record_logprobs, verify
 from flashpage.engine.states import StateSlots, recurrent_states_of, restart_from_scratch
 from flashpage.engine.structured import GrammarEngine, StructuredOutputsParams
@@ -233,7 +234,8 @@ class LLM:
             from flashpage.engine.spec_draft import DraftProposer, build_draft
 
             draft = DraftProposer(build_draft(config.model, self, max_num_seqs), self.vocab_size)
-        return Speculator(config, self.device.type, draft)
+        agree = self._tp.same_proposals if self._tp is not None and draft is not None else None
+        return Speculator(config, self.device.type, draft, agree)
 
     def _build_pool(self, config: Any, *, block_size: int | None,
                     num_blocks: int | None, kv_cache_memory: int | None, gpu_memory_utilization: float,
@@ -650,8 +652,8 @@ class LLM:
                              f"'prompt_token_ids' (and optionally 'mm_processor_kwargs'), got keys "
                              f"{sorted(map(str, prompt))}")
         images, tensors = split_multimodal(prompt["multi_modal_data"])
-        if self._image_encoder is None:
-            self._image_encoder = ImageEncoder(self.model, self.processor)
+        if self._image_encoder is None:  # (a span of tokens attending both ways must fit one step's budget)
+            self._image_encoder = ImageEncoder(self.model, self.processor, self.scheduler.max_num_batched_tokens)
         if "prompt" in prompt:
             if images is None:
                 raise ValueError("pre-processed image inputs ({'image': {'pixel_values': ...}}) go with "
@@ -674,9 +676,7 @@ class LLM:
                 group.mm = self._image_encoder.encode(group.prompt_token_ids, group.mm.inputs)
 
     def _image_refusal(self) -> str | None:
-        """Why this LLM cannot take images (None: it can)."""
-        if self._states is not None:
-            return "it has recurrent layers, whose steps do not take image embeddings yet"
+        """Why this LLM cannot take images (None: it can; recurrent models' steps take them: engine/states.py)."""
         if self._tp is not None:
             return "images are not taken under tensor parallelism yet"
         return image_refusal(self.model)
@@ -765,7 +765,8 @@ class LLM:
         """Tensor parallel: every rank must run this very step; otherwise undo it and raise on all ranks."""
         assert self._tp is not None
         parts = [(c.seq.group.request_id, c.seq.index, c.start, c.token_ids) for c in schedule.chunks]
-        digest = step_digest(parts, [(s.group.request_id, s.index) for s in schedule.preempted])
+        digest = step_digest(parts, [(s.group.request_id, s.index) for s in schedule.preempted],
+                             [len(c.draft) for c in schedule.chunks])
         try:
             self._tp.check_step(digest, f"{len(parts)} chunks, {schedule.num_tokens} tokens")
         except BaseException:
@@ -807,6 +808,8 @@ class LLM:
         if self._grammar is not None:  # structured outputs: each verified row masked by its grammar state
             spec_logits = spec_grammar.mask_rows(self._grammar, spec_logits, seqs, drafts)
         verdicts = verify(self.sampler, spec_logits, seqs, drafts)
+        if self._tp is not None:  # every rank keeps (and rolls back) rank 0's verified tokens
+            verdicts = agree_verdicts(verdicts, drafts, self._tp.same_tokens)
         touched = {g.request_id: g for g in self._postprocess([emitting[i] for i in plain],
                                                               logits[[starts[i] for i in plain]])}
         now = time.perf_counter()

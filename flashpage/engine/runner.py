@@ -30,10 +30,12 @@ from typing import Any
 import torch
 
 from flashpage.cache import PagedKVCache
+from flashpage.cpu_threads import ThreadGovernor
 from flashpage.engine.compiled import CompiledDecode, CompiledStep, default_compile
 from flashpage.engine.fastpath import fastpath_scope, install_fastpath
 from flashpage.engine.flat import FlatDecoder, flat_decoder
 from flashpage.engine.linears import Prepacked, install_onednn_linears, onednn_scope
+from flashpage.engine.multimodal import deepstack_kwargs, language_model_inputs, per_layer_kwargs, two_way_spans
 from flashpage.engine.positions import EnginePositions, honours_logits_to_keep, kept_rows
 from flashpage.engine.scheduler import Chunk, Schedule
 from flashpage.engine.states import StateSlots, continues_chunks, restart_from_scratch, stateful_forward
@@ -114,6 +116,7 @@ class ModelRunner:
         self._install_eager(options.cpu_prepack, options.tensor_parallel)
         self._build_compiled(use_compile, options)
         self._weights = WeightWatcher(model)  # KV of older weights is dropped, never reused (weights.py)
+        self.threads = ThreadGovernor.for_device(self.device)  # one thread while the cores are shared
 
     # ------------------------------------------------------------- set-up
     def _choose_compile(self, options: RunnerConfig) -> bool:
@@ -191,6 +194,15 @@ class ModelRunner:
         self.flat_step = self._build_flat()
 
     def run(self, schedule: Schedule, extra_rows: Sequence[int] = ()) -> torch.Tensor:
+        """:meth:`_run` with the step's intra-op threads chosen by the :class:`ThreadGovernor` (one thread
+        while other processes keep the cores busy; the caller's count otherwise and after the step)."""
+        self.threads.begin()
+        try:
+            return self._run(schedule, extra_rows)
+        finally:
+            self.threads.end()
+
+    def _run(self, schedule: Schedule, extra_rows: Sequence[int] = ()) -> torch.Tensor:
         """One step's forward. Logits (emitting rows + len(extra_rows), vocab): each emitting chunk's last
         row (a verification chunk's last 1 + len(draft) rows), then the packed rows ``extra_rows`` (prompt
         logprobs). Every chunk's ``seq.num_computed`` is advanced (past its own tokens, not its proposed
@@ -206,6 +218,7 @@ class ModelRunner:
             seq_ids = [c.seq.seq_id for c in chunks]
             if images:  # image rows: the model's eager forward on inputs_embeds (engine/multimodal.py)
                 plan = self.kv.plan(seq_ids, [c.num_tokens for c in chunks], allocated=True)
+                plan.two_way = two_way_spans([(c.seq.group.mm, c.start, c.start + c.num_tokens) for c in chunks])
                 self._cache.set_plan(plan, self.device)
                 position_ids = _image_step_positions(chunks, pos).to(self.device)
                 keep_rows = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -290,12 +303,16 @@ class ModelRunner:
         rows put back at their positions, through the model's forward as ``inputs_embeds``."""
         embeds = self.model.get_input_embeddings()(input_ids)
         offset = 0
-        for c in schedule.chunks:
-            if c.seq.group.mm is not None:
-                c.seq.group.mm.put(embeds[0], offset, c.start, c.start + c.num_tokens)
-            offset += c.num_tokens
-        logits = self.model(inputs_embeds=embeds, position_ids=position_ids, use_cache=True,
-                            logits_to_keep=keep_rows, **{self._cache_kwarg: self._cache}).logits[0]
+        spans = [(c.seq.group.mm, c.start, c.start + c.num_tokens) for c in schedule.chunks]
+        for mm, start, end in spans:
+            if mm is not None:
+                mm.put(embeds[0], offset, start, end)
+            offset += end - start
+        deep = deepstack_kwargs(spans, offset, embeds.device)  # Qwen3-VL: its visual rows of this step
+        extra = per_layer_kwargs(self.model, input_ids, embeds)  # Gemma 4: per-layer inputs from the ids
+        with language_model_inputs(self.model, deep):
+            logits = self.model(inputs_embeds=embeds, position_ids=position_ids, use_cache=True,
+                                logits_to_keep=keep_rows, **extra, **{self._cache_kwarg: self._cache}).logits[0]
         return kept_rows(logits, keep_rows, self._keeps_logits)
 
     def _build_flat(self) -> str:

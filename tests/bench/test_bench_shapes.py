@@ -116,15 +116,27 @@ def test_cli_lists_the_shapes(capsys: pytest.CaptureFixture[str]) -> None:
     assert (moe["layers"], moe["published_layers"]) == (4, 48) and moe["bytes_bf16"] == 2 * moe["parameters"]
 
 
+@pytest.mark.parametrize("bench", ["engine", "generate"])
 @pytest.mark.parametrize("argv, message", [
     (["--dtype", "bfloat16"], "--dtype is for --model-shape"),
     (["--num-layers", "2"], "--num-layers is for --model-shape"),
     (["--model", "x", "--model-shape", NAME], "give one"),
 ])
-def test_engine_shape_flags_are_checked_before_loading(capsys: pytest.CaptureFixture[str], argv: list[str],
-                                                       message: str) -> None:
-    assert main(["bench", "engine", "--quick", *argv]) == 2
+def test_shape_flags_are_checked_before_loading(capsys: pytest.CaptureFixture[str], bench: str, argv: list[str],
+                                                message: str) -> None:
+    assert main(["bench", bench, "--quick", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_generate_bench_holds_half_precision_to_its_kv_bound_not_to_tokens() -> None:
+    """bench generate's exit status: float32 needs equal tokens; bfloat16 reports them (no token contract) but
+    still needs the paged KV within its bound."""
+    from flashpage.bench.runner import _ok
+
+    differ = {"outputs_agree": False, "kv_within_bound": True}
+    assert not _ok("generate", {**differ, "token_contract": True})
+    assert _ok("generate", {**differ, "token_contract": False})
+    assert not _ok("generate", {**differ, "token_contract": False, "kv_within_bound": False})
 
 
 def test_engine_refuses_an_unknown_shape(capsys: pytest.CaptureFixture[str]) -> None:

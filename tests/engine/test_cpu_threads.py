@@ -156,3 +156,94 @@ def test_bench_binds_flashpage_as_vllm_is_told(monkeypatch: pytest.MonkeyPatch, 
     assert flashpage_bind_spec(1) == expected
     if expected not in ("auto", "none"):
         ct.parse_cores(expected)  # flashpage's side accepts what vLLM is given
+
+
+def test_governor_falls_to_one_thread_under_contention_and_backs_off_its_retries() -> None:
+    gov = ct.ThreadGovernor()
+    gov.decide(0.5, now=10.0)  # half a second of run-queue wait per thread-second: shared cores
+    assert gov.reduced and gov._retry_at == 20.0
+    gov.decide(0.0, now=12.0)  # free again, but before the retry time: stays on one thread
+    assert gov.reduced
+    gov.decide(0.0, now=20.0)
+    assert not gov.reduced  # tries the caller's count
+    gov.decide(0.6, now=21.0)  # still shared: back to one thread, and the next try waits twice as long
+    assert gov.reduced and gov._retry_at == 41.0
+    gov.decide(0.0, now=41.0)
+    gov.decide(0.01, now=42.0)  # a whole window free at the caller's count: the next fall waits the least again
+    gov.decide(0.4, now=43.0)
+    assert gov.reduced and gov._retry_at == 53.0
+    gov.decide(0.1, now=60.0)  # between the thresholds: no change
+    assert gov.reduced
+
+
+def test_governor_starts_on_one_thread_when_the_load_already_covers_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ct, "run_queue_wait_ns", lambda: 0)
+    monkeypatch.setattr(ct, "usable_cores", lambda: (0, 1))
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.5, 1.0, 1.0))
+    busy = ct.ThreadGovernor.for_device(torch.device("cpu"))
+    assert busy.enabled and busy.reduced and busy._wait == busy.backoff_s
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.4, 1.0, 1.0))
+    free = ct.ThreadGovernor.for_device(torch.device("cpu"))
+    assert free.enabled and not free.reduced
+
+
+def test_governor_steps_restore_the_callers_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gov = ct.ThreadGovernor(reduced=True)
+        gov.begin()
+        assert torch.get_num_threads() == 1 and gov.reduced_steps == 1
+        gov.end()
+        assert torch.get_num_threads() == 2
+        off = ct.ThreadGovernor(enabled=False, reduced=True)
+        off.begin()
+        assert torch.get_num_threads() == 2 and off.reduced_steps == 0
+        off.end()
+        monkeypatch.setenv(ct.GOVERNOR_ENV, "0")
+        assert not ct.ThreadGovernor.for_device(torch.device("cpu")).enabled
+        monkeypatch.delenv(ct.GOVERNOR_ENV)
+        assert not ct.ThreadGovernor.for_device(torch.device("meta")).enabled
+    finally:
+        torch.set_num_threads(before)
+
+
+@linux_only
+def test_llm_steps_drop_to_one_thread_while_the_cores_are_shared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake run-queue clock that says every thread waited the whole window: after the first window the
+    engine's steps run on one thread (same tokens), and the caller's count is back after generate()."""
+    from flashpage import LLM, SamplingParams
+    from flashpage.tiny import load_tiny_model
+
+    model, tok = load_tiny_model()
+    prompts = ["the cat sat on", "a long time ago"]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        reference = [o.outputs[0].token_ids for o in LLM(model, tok).generate(prompts, params, use_tqdm=False)]
+        clock = {"ns": 0}
+
+        def waiting() -> int:
+            clock["ns"] += 10**10  # ten seconds more per look: far past down_at
+            return clock["ns"]
+
+        monkeypatch.setattr(ct, "run_queue_wait_ns", waiting)
+        monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # starts on the caller's count
+        llm = LLM(model, tok)
+        llm.runner.threads.window_s = 0.0  # a verdict after every step
+        threads_seen: list[int] = []
+        run = llm.runner._run
+
+        def recording(*args, **kwargs):
+            threads_seen.append(torch.get_num_threads())
+            return run(*args, **kwargs)
+
+        monkeypatch.setattr(llm.runner, "_run", recording)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == reference
+        assert threads_seen[:2] == [2, 2] and set(threads_seen[2:]) == {1}  # the first verdict needs two looks
+        assert llm.runner.threads.reduced_steps == len(threads_seen) - 2
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -243,7 +243,9 @@ def run_cli(args: Any) -> int:
     if args.kv_cache_memory is not None:
         workload = MemoryWorkload(**{**asdict(workload), "kv_cache_memory": args.kv_cache_memory})
     result = run(model_dir, workload, args.vllm_python)
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    from flashpage.bench.record import dumps
+
+    print(dumps(result) if args.json else format_report(result))
     return 1 if any(r["error"] for r in result["rows"]) else 0
 
 

@@ -388,7 +388,9 @@ def run_cli(args: argparse.Namespace) -> int:
     if num < 1 or max_tokens < 1:
         raise ValueError("--num-prompts and --max-tokens must be >= 1")
     result = run(args.base_url, args.model, rates, num, max_tokens, args.seed, args.transformers)
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    from flashpage.bench.record import dumps
+
+    print(dumps(result) if args.json else format_report(result))
     if args.plot:
         try:
             write_plot(result, args.plot)

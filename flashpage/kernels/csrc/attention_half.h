@@ -94,24 +94,38 @@ void page_gemm(const Args<float>& a, int64_t i0, int64_t i1, int64_t shift, int6
   ot.addmm_(st, vt);
 }
 
-// The few-row tile on one page's widened keys / values: per query row, the group's scores per key.
-void page_rows(const Args<float>& a, int64_t i0, int64_t i1, int64_t shift, int64_t j0, int64_t j1, const float* kf,
-               const float* vf, Work<float>& w) {
-  const int64_t group = a.heads / a.kv_heads, d = a.d, dv = a.dv;
+// The few-row tiles' loop over query rows i0 .. i1-1 on one page's keys j0 .. j1-1: for each row's visible keys
+// (from s0 = j0 + off, n_i of them) scores(r0, off, n_i) fills w.s with the group's rows of n_i scores (r0: the
+// group's first row in the tile), then the softcap, the online softmax, and pv(r0, off, n_i) adds P.V into w.acc.
+template <typename Scores, typename PV>
+inline void each_row(const Args<float>& a, int64_t i0, int64_t i1, int64_t shift, int64_t j0, int64_t j1,
+                     Work<float>& w, Scores scores, PV pv) {
+  const int64_t group = a.heads / a.kv_heads;
   for (int64_t i = i0; i < i1; ++i) {
     int64_t s0, s1;
     row_span(a, i, shift, j0, j1, s0, s1);
     if (s0 >= s1) continue;
     const int64_t n_i = s1 - s0, r0 = (i - i0) * group;
-    const float* k0 = kf + (s0 - j0) * d;
+    scores(r0, s0 - j0, n_i);
+    if (a.softcap > 0)
+      for (int64_t x = 0; x < group * n_i; ++x) w.s[x] = a.softcap * std::tanh(w.s[x]);
+    for (int64_t g = 0; g < group; ++g) softmax_update(w, r0 + g, a.dv, w.s.data() + g * n_i, n_i, true);
+    pv(r0, s0 - j0, n_i);
+  }
+}
+
+// The few-row tile on one page's widened keys / values: per query row, the group's scores per key.
+void page_rows(const Args<float>& a, int64_t i0, int64_t i1, int64_t shift, int64_t j0, int64_t j1, const float* kf,
+               const float* vf, Work<float>& w) {
+  const int64_t group = a.heads / a.kv_heads, d = a.d, dv = a.dv;
+  each_row(a, i0, i1, shift, j0, j1, w, [&](int64_t r0, int64_t off, int64_t n_i) {
+    const float* k0 = kf + off * d;
     if (!qk_rows_vec(true, w.q.data() + r0 * d, group, k0, d, n_i, d, w.s.data()))
       for (int64_t j = 0; j < n_i; ++j)
         for (int64_t g = 0; g < group; ++g) w.s[g * n_i + j] = dot(w.q.data() + (r0 + g) * d, k0 + j * d, d);
-    if (a.softcap > 0)
-      for (int64_t x = 0; x < group * n_i; ++x) w.s[x] = a.softcap * std::tanh(w.s[x]);
-    for (int64_t g = 0; g < group; ++g) softmax_update(w, r0 + g, dv, w.s.data() + g * n_i, n_i, true);
-    pv_rows_vec(true, w.acc.data() + r0 * dv, w.s.data(), vf + (s0 - j0) * dv, dv, group, n_i, dv);
-  }
+  }, [&](int64_t r0, int64_t off, int64_t n_i) {
+    pv_rows_vec(true, w.acc.data() + r0 * dv, w.s.data(), vf + off * dv, dv, group, n_i, dv);
+  });
 }
 
 #if defined(FLASHPAGE_HALF_AVX512)
@@ -184,23 +198,17 @@ template <typename S>
 void page_rows_direct(const Args<float>& a, int64_t i0, int64_t i1, int64_t shift, int64_t j0, int64_t j1, const S* k,
                       int64_t ks, const S* v, int64_t vs, Work<float>& w) {
   const int64_t group = a.heads / a.kv_heads, d = a.d, dv = a.dv;
-  for (int64_t i = i0; i < i1; ++i) {
-    int64_t s0, s1;
-    row_span(a, i, shift, j0, j1, s0, s1);
-    if (s0 >= s1) continue;
-    const int64_t n_i = s1 - s0, r0 = (i - i0) * group;
-    const S* k0 = k + (s0 - j0) * ks;
-    const S* v0 = v + (s0 - j0) * vs;
+  each_row(a, i0, i1, shift, j0, j1, w, [&](int64_t r0, int64_t off, int64_t n_i) {
     int64_t g = 0;
-    for (; g + 2 <= group; g += 2) qk_direct<S, 2, 8>(w.q.data() + (r0 + g) * d, k0, ks, n_i, d, w.s.data() + g * n_i, n_i);
-    if (g < group) qk_direct<S, 1, 16>(w.q.data() + (r0 + g) * d, k0, ks, n_i, d, w.s.data() + g * n_i, n_i);
-    if (a.softcap > 0)
-      for (int64_t x = 0; x < group * n_i; ++x) w.s[x] = a.softcap * std::tanh(w.s[x]);
-    for (g = 0; g < group; ++g) softmax_update(w, r0 + g, dv, w.s.data() + g * n_i, n_i, true);
-    for (g = 0; g + 2 <= group; g += 2)
-      pv_direct<S, 2>(w.acc.data() + (r0 + g) * dv, w.s.data() + g * n_i, n_i, v0, vs, n_i, dv);
-    if (g < group) pv_direct<S, 1>(w.acc.data() + (r0 + g) * dv, w.s.data() + g * n_i, n_i, v0, vs, n_i, dv);
-  }
+    for (; g + 2 <= group; g += 2)
+      qk_direct<S, 2, 8>(w.q.data() + (r0 + g) * d, k + off * ks, ks, n_i, d, w.s.data() + g * n_i, n_i);
+    if (g < group) qk_direct<S, 1, 16>(w.q.data() + (r0 + g) * d, k + off * ks, ks, n_i, d, w.s.data() + g * n_i, n_i);
+  }, [&](int64_t r0, int64_t off, int64_t n_i) {
+    int64_t g = 0;
+    for (; g + 2 <= group; g += 2)
+      pv_direct<S, 2>(w.acc.data() + (r0 + g) * dv, w.s.data() + g * n_i, n_i, v + off * vs, vs, n_i, dv);
+    if (g < group) pv_direct<S, 1>(w.acc.data() + (r0 + g) * dv, w.s.data() + g * n_i, n_i, v + off * vs, vs, n_i, dv);
+  });
 }
 #endif
 

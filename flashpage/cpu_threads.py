@@ -172,12 +172,10 @@ GOVERNOR_ENV = "FLASHPAGE_ADAPTIVE_THREADS"  # "0": engine steps always use torc
 def run_queue_wait_ns() -> int | None:
     """Nanoseconds this process's threads have spent runnable but waiting for a core (the second field of
     each ``/proc/self/task/*/schedstat``), summed; None where the OS does not say (not Linux)."""
-    total = 0
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
+    if not os.path.isdir("/proc/self/task"):
         return None
-    for tid in tids:
+    total = 0
+    for tid in _thread_ids():
         try:
             with open(f"/proc/self/task/{tid}/schedstat") as f:
                 total += int(f.read().split()[1])

@@ -11,6 +11,8 @@ from typing import Any
 
 from flashpage.errors import FlashpageError
 
+BENCH_WORKLOADS = ("mixed", "shared-prefix", "long-prompt")  # flashpage/bench/engine.py make_workload
+
 
 def _info(args: argparse.Namespace) -> int:
     from flashpage.info import collect_info, format_info
@@ -327,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--plot", metavar="FILE.png", default=None, help="also write a plot")
         b.add_argument("--quick", action="store_true", help="a smaller, faster run")
         if name == "engine":
-            b.add_argument("--workload", choices=("mixed", "shared-prefix"), default="mixed")
+            b.add_argument("--workload", choices=BENCH_WORKLOADS, default="mixed")
             _add_against(b)
             b.add_argument("--compile", action="store_true",
                            help="with --against vllm: flashpage runs LLM(compile=True), compiled in its untimed "
@@ -339,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "rl":
             _add_model(b)  # the built-in tiny model: GRPO needs a tokenizer
         if name == "breakdown":
-            b.add_argument("--workload", choices=("mixed", "shared-prefix"), default="mixed")
+            b.add_argument("--workload", choices=BENCH_WORKLOADS, default="mixed")
             _add_model(b, BENCH_MODEL)
             b.add_argument("--vllm-python", default=None, metavar="PATH",
                            help="also profile vLLM (its interpreter), same model and requests")

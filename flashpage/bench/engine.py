@@ -46,6 +46,9 @@ LABELS = {"flashpage": "flashpage.LLM", "flashpage_capped": "flashpage.LLM (16 m
           "hf_cb": "HF continuous batching"}
 
 
+WORKLOADS = ("mixed", "shared-prefix", "long-prompt")
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
@@ -56,7 +59,8 @@ class Workload:
 
 
 def make_workload(name: str, vocab_size: int, quick: bool = False, seed: int = 0) -> Workload:
-    """The seeded requests of workload ``name`` ("mixed" or "shared-prefix"); ``quick`` shrinks it."""
+    """The seeded requests of workload ``name`` ("mixed", "shared-prefix" or "long-prompt": a few 1.5-3k-token
+    prompts, where prefill and its attention dominate); ``quick`` shrinks it."""
     gen = torch.Generator().manual_seed(seed + 11)
 
     def uniform(lo: int, hi: int, n: int) -> list[int]:
@@ -75,7 +79,12 @@ def make_workload(name: str, vocab_size: int, quick: bool = False, seed: int = 0
         return Workload(name, [prefix + p for p in own], uniform(olo, ohi, n), prefix_len,
                         f"{n} requests sharing a {prefix_len}-token prefix, then {slo}..{shi} own tokens; "
                         f"outputs uniform in {olo}..{ohi}")
-    raise ValueError(f"unknown workload {name!r}: choose 'mixed' or 'shared-prefix'")
+    if name == "long-prompt":
+        n, (plo, phi), (olo, ohi) = (4, (1536, 3072), (16, 32)) if quick else (8, (1536, 3072), (16, 64))
+        prompts = random_prompts(uniform(plo, phi, n), vocab_size, seed + 15)
+        return Workload(name, prompts, uniform(olo, ohi, n), 0,
+                        f"{n} requests, prompts uniform in {plo}..{phi} tokens, outputs uniform in {olo}..{ohi}")
+    raise ValueError(f"unknown workload {name!r}: choose one of {WORKLOADS}")
 
 
 def _log(msg: str) -> None:
@@ -490,7 +499,7 @@ def _goals(workload: str, ratios: dict[str, float]) -> dict[str, Any]:
     """Throughput ratios flashpage should reach; for mixed also ``tpot_vs_hf_generate`` (time per
     output token p50, flashpage / padded generate(): at most 1)."""
     targets = {"mixed": {"flashpage_vs_hf_generate": 2.0, "flashpage_vs_hf_cb": 3.0},
-               "shared-prefix": {"flashpage_vs_hf_generate": 3.0}}[workload]
+               "shared-prefix": {"flashpage_vs_hf_generate": 3.0}}.get(workload, {})
     goals: dict[str, Any] = {}
     for key, target in targets.items():
         if key in ratios:

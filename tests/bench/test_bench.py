@@ -82,3 +82,21 @@ def test_bench_engine_quick_shared_prefix(tmp_path: Path) -> None:
     assert "flashpage_vs_hf_generate" in result["goals"]
     assert result["outputs_agree"] is True
     _png(plot)
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_long_prompt_workload_is_long_and_seeded(quick: bool) -> None:
+    """`--workload long-prompt`: a few 1.5-3k-token prompts (where prefill attention dominates), the same for a
+    seed, inside the vocabulary; the CLI takes the name for the engine bench and its breakdown."""
+    from flashpage.bench.engine import make_workload
+    from flashpage.cli import build_parser
+
+    work = make_workload("long-prompt", 1000, quick=quick)
+    assert len(work.prompts) == len(work.max_tokens) == (4 if quick else 8)
+    assert all(1536 <= len(p) <= 3072 for p in work.prompts) and len({len(p) for p in work.prompts}) > 1
+    assert all(0 <= t < 1000 for p in work.prompts for t in p) and work.shared_prefix == 0
+    assert make_workload("long-prompt", 1000, quick=quick) == work
+    for bench in ("engine", "breakdown"):
+        assert build_parser().parse_args(["bench", bench, "--workload", "long-prompt"]).workload == "long-prompt"
+    with pytest.raises(ValueError, match="long-prompt"):
+        make_workload("longest", 1000)

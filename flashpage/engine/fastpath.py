@@ -327,9 +327,13 @@ def _rotary_dispatch(original: Callable[..., Any], cpp: bool, half: bool = False
     the C++ form where ``_flashpage_cpp`` (its probe passed) and the step has the ops; bfloat16 / float16 take the
     C++ form where ``_flashpage_half`` (:func:`_probe_rotary_half` passed), else ``original``."""
 
-    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if (not torch.compiler.is_compiling() and _active() and not args
-                and cos.shape[-1] == q.shape[-1] == k.shape[-1] and set(kwargs) <= {"unsqueeze_dim"}):
+    def apply_rotary_pos_emb(*args, **kwargs):
+        # only (q, k, cos, sin[, unsqueeze_dim=]) is taken; any other call (Qwen4-Exp's indexer passes the query
+        # alone and cos= / sin= by keyword) goes to the original as it was made
+        if (len(args) == 4 and set(kwargs) <= {"unsqueeze_dim"} and not torch.compiler.is_compiling() and _active()
+                and all(isinstance(t, torch.Tensor) for t in args)
+                and args[2].shape[-1] == args[0].shape[-1] == args[1].shape[-1]):
+            q, k, cos, sin = args
             dim = kwargs.get("unsqueeze_dim", 1)
             if q.dtype == k.dtype == cos.dtype == sin.dtype == torch.float32:
                 ops = _step_ops() if apply_rotary_pos_emb._flashpage_cpp else None  # type: ignore[attr-defined]
@@ -338,7 +342,7 @@ def _rotary_dispatch(original: Callable[..., Any], cpp: bool, half: bool = False
             if (ops is not None and q.dtype in _HALF and q.dtype == k.dtype == cos.dtype == sin.dtype
                     and _rotary_cpp_fits(q, k, cos, sin, dim)):
                 return ops.rotary(q, k, cos, sin, dim)  # the modules' own rounding (cpu_fused's docstring)
-        return original(q, k, cos, sin, *args, **kwargs)
+        return original(*args, **kwargs)
 
     apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
     apply_rotary_pos_emb._flashpage_rotary = True  # type: ignore[attr-defined]

@@ -108,6 +108,30 @@ def test_rotary_dispatch_is_the_original_outside_and_refuses_other_rotations():
     assert not fastpath._probe_rotary(interleaved)
 
 
+def test_rotary_dispatch_passes_other_call_forms_to_the_original():
+    """A rotary function with optional k (Qwen4-Exp's indexer rotates its query alone: ``f(q, cos=c, sin=s)``)
+    keeps working once the dispatch replaces it, inside the engine's scope and outside (the dispatch replaces the
+    modeling module's function for the whole process)."""
+    def rotate_half(x):
+        return torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), dim=-1)
+
+    def optional_k(q, k=None, cos=None, sin=None, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        q_out = q * cos + rotate_half(q) * sin
+        return q_out if k is None else (q_out, k * cos + rotate_half(k) * sin)
+
+    assert fastpath._probe_rotary(optional_k)
+    dispatch = fastpath._rotary_dispatch(optional_k, cpp=False)
+    q, k = torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16)
+    cos, sin = torch.randn(1, 6, 16), torch.randn(1, 6, 16)
+    for scope in (fastpath.fastpath_scope, mock.MagicMock):
+        with scope():
+            assert torch.equal(dispatch(q, cos=cos, sin=sin), optional_k(q, cos=cos, sin=sin))
+            assert torch.equal(dispatch(q, None, cos, sin), optional_k(q, None, cos, sin))
+            both = dispatch(q, k, cos, sin)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(both, optional_k(q, k, cos, sin), strict=True))
+
+
 def test_gated_mlp_probe_and_in_place_product():
     mlp = tiny_model("gemma").model.layers[0].mlp
     children = dict(mlp.named_children())

@@ -155,7 +155,7 @@ def pagedkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     engine_dense = cache is not None and cache.dense_view and cache.plan is not None and not cache.owns_plan
     if engine_dense and indices is not None:
         raise RuntimeError("flashpage: the engine's dense-view step does not apply a sparse indexer's top-k keys "
-                           "(LLM refuses such models up front: checks.check_no_sparse_indexer)")
+                           "(LLM runs such models one sequence per forward: checks.generate_layout_reason)")
     if engine_dense and not weights:
         return _step_dense(cache, query, key, value, options), None  # the engine's step on the dense view
     paged = cache is not None and cache.plan is not None and not cache.dense_view and layer is not None
@@ -186,8 +186,8 @@ def _attends_all_unmasked(module: torch.nn.Module, query: torch.Tensor, cache: A
     """Whether the unpatched model, handed no mask for this multi-token forward, attends to every key both ways:
     a module that says ``is_causal=False`` but is handed causal masks (PaliGemma's text model: patch() made it
     causal and marked it) under sdpa, which then reads ``module.is_causal`` (transformers skips the mask where
-    there is no padding; an eager mask is always built, causal). Not in the engine's packed steps (chunked,
-    prefix-cached prefill cannot reproduce it; LLM refuses such models)."""
+    there is no padding; an eager mask is always built, causal). Not in the engine's packed steps, which compute
+    such a prompt as one span attending both ways (engine/multimodal.py ``PromptSpans``)."""
     state = getattr(module, "_flashpage_state", None)
     return (query.shape[2] > 1 and getattr(module, "_flashpage_unmasked_full", False)
             and getattr(state, "previous_attn", None) == "sdpa" and (cache is None or cache.owns_plan))

@@ -535,7 +535,7 @@ def kv_transformed(report: ProbeReport) -> list[int]:
 
 def mask_edited(report: ProbeReport) -> list[int]:
     """Layers whose attention receives a mask the model edited after transformers built it (they need the
-    model's own mask: the dense view, in generate() only)."""
+    model's own mask: the dense view, in generate()'s layout; LLM runs them one sequence per forward)."""
     return sorted({c.layer for c in report.calls if c.mask_edited and c.layer is not None})
 
 
@@ -562,43 +562,40 @@ def check_recurrent_state_in_cache(model: torch.nn.Module, report: ProbeReport) 
     return None
 
 
-def check_mask_not_edited(model: torch.nn.Module, report: ProbeReport) -> str | None:
-    """The engine's packed steps attend without transformers' masks: a model that edits the mask itself
-    (a sparse indexer's selection expressed only in the mask, e.g. Qwen4-Exp's) is exact only in generate()."""
-    edited = mask_edited(report)
-    if edited:
-        return (f"layers {edited} edit the attention mask themselves (e.g. a sparse indexer's token selection), "
-                "and the engine's packed steps attend without transformers' masks")
-    return None
+def generate_layout_reason(report: ProbeReport | None) -> str | None:
+    """Why only generate()'s ``[1, L]`` layout of one sequence is exact on this model, or None. Not a refusal:
+    ``LLM`` runs such a model one sequence per forward, a prompt whole (``engine/solo.py``).
 
-
-def check_no_sparse_indexer(model: torch.nn.Module, report: ProbeReport) -> str | None:
-    """A sparse-attention indexer (DeepSeek-V3.2 DSA) picks its keys with ``topk`` over one row of scores per
-    query; which of several tied scores (ReLU zeros are common) it keeps depends on the row's length and
-    layout, so only the [B, L] layout of generate() reproduces it. In a packed engine step a request's keys sit
-    among other requests' (masked) ones: the same scores, another tie-break (measured: deepseek_v32 and
-    glm_moe_dsa exact one request per step, a different token at step 4 when two share a step)."""
+    - A sparse-attention indexer (DeepSeek-V3.2 DSA) picks its keys with ``topk`` over one row of scores per
+      query; which of several tied scores (ReLU zeros are common) it keeps depends on the row's length and
+      layout. In a packed engine step a request's keys sit among other requests' (masked) ones: the same
+      scores, another tie-break (measured: deepseek_v32 and glm_moe_dsa exact one request per step, a
+      different token at step 4 when two share a step).
+    - A model that edits the attention mask itself (a sparse indexer's selection expressed only in the mask,
+      Qwen4-Exp's; Doge's dynamic bias) needs transformers' mask, which the packed steps never build."""
+    if report is None:
+        return None
     if report.indexer_layers:
         return (f"its sparse-attention indexer (layers {sorted(report.indexer_layers)}) picks keys by top-k, whose "
-                "choice among tied scores depends on the padded [B, L] layout that the engine's packed steps lack")
+                "choice among tied scores depends on the row's layout")
+    edited = mask_edited(report)
+    if edited:
+        return f"layers {edited} edit the attention mask themselves (e.g. a sparse indexer's token selection)"
     return None
 
 
-def check_no_unmasked_bidirectional_prefill(model: torch.nn.Module, report: ProbeReport) -> str | None:
-    """Attention modules that say ``is_causal=False`` but are handed causal masks (PaliGemma's text model,
+def unmasked_bidirectional_prefill(report: ProbeReport | None) -> bool:
+    """Whether attention modules say ``is_causal=False`` but are handed causal masks (PaliGemma's text model,
     ``use_bidirectional_attention``) under sdpa: transformers skips the mask for an unpadded prompt and sdpa then
-    attends to the whole prompt both ways (patched generate() does the same). A chunked or prefix-cached engine
-    prefill cannot (its prompt's first tokens never see the rest): the logprobs drifted by ~1e-4, silently."""
-    for module in report.causal_by_mask:
-        if getattr(getattr(module, "_flashpage_state", None), "previous_attn", None) == "sdpa":
-            return (f"its attention ({type(module).__name__}) says is_causal=False: transformers attends to an "
-                    "unpadded prompt both ways (sdpa without a mask), which the engine's chunked, prefix-cached "
-                    "causal prefill does not reproduce")
-    return None
+    attends to the whole prompt both ways (patched generate() does the same). ``flashpage.LLM`` then computes
+    every prompt whose mask is skipped as one span attending both ways, in one step (engine/multimodal.py
+    ``PromptSpans``): a causal chunked prefill drifted by ~1e-4 in logprobs, silently."""
+    return report is not None and any(
+        getattr(getattr(module, "_flashpage_state", None), "previous_attn", None) == "sdpa"
+        for module in report.causal_by_mask)
 
 
-ENGINE_CHECKS: list[EngineCheck] = [check_recurrent_state_in_cache, check_mask_not_edited, check_no_sparse_indexer,
-                                    check_no_unmasked_bidirectional_prefill]
+ENGINE_CHECKS: list[EngineCheck] = [check_recurrent_state_in_cache]
 
 
 def engine_refusal_reason(model: torch.nn.Module, report: ProbeReport | None) -> str | None:

@@ -306,6 +306,7 @@ class HFPagedCache(Cache):
         self._offset: torch.Tensor | None = None  # the logical length as a 0-d tensor on the input device
         self._owns_plan = False
         self._pending = 0  # new tokens of the forward in flight (committed by end_forward)
+        self._preallocated = False  # one engine sequence whose slots the scheduler allocated (over_sequence)
         # (module, attribute) pairs holding recurrent state outside the cache (module_states); read_states /
         # load_states carry them too, so the engine keeps them per sequence like the cache's own states
         self.module_states: list[tuple[torch.nn.Module, str]] = []
@@ -328,6 +329,22 @@ class HFPagedCache(Cache):
         cache = cls(config, num_layers=kv.num_layers, block_size=kv.block_size)
         cache.kv = kv
         cache.shared_layers = kv.shared_layers
+        return cache
+
+    @classmethod
+    def over_sequence(cls, kv: PagedKVCache, config, seq_id: int, past: int) -> HFPagedCache:
+        """The cache patched generate() would hand the model for one unpadded sequence, over an engine pool
+        whose scheduler allocated this forward's slots: row ``seq_id`` with ``past`` tokens computed. The
+        forward plans itself (``owns_plan``), so the model sees generate()'s ``[1, L]`` layout: transformers'
+        masks over its ``past + L`` keys, the dense view, a sparse indexer's keys (``update_indexer``).
+        No prefix hashing, no growth; a failed forward leaves the pages to the engine's rollback."""
+        cache = cls.wrap(kv, config)
+        cache.enable_prefix_caching = False
+        cache.growable = False
+        cache.rows = [seq_id]
+        cache._logical_len = past
+        cache._real = torch.ones((1, past), dtype=torch.bool)
+        cache._preallocated = True
         return cache
 
     # ------------------------------------------------------------ transformers API
@@ -510,6 +527,10 @@ class HFPagedCache(Cache):
                 "a cache continues the batch it was filled with (use a new cache, or cache.reset())"
             )
         counts = [length] * batch if layout.real is None else new_mask.sum(dim=1).tolist()
+        if self._preallocated:  # the engine's scheduler allocated the slots (over_sequence)
+            plan = self.kv.plan(self.rows, counts, allocated=True, layout=layout, context_lens=[self._logical_len])
+            self._start(plan, new_mask, length, device)
+            return
         tokens = self._token_lists(input_ids, new_mask) if self.enable_prefix_caching else None
         self._ensure_capacity(counts)
         plan = self.kv.plan(self.rows, counts, tokens, layout=layout, table_width=width)
@@ -555,6 +576,8 @@ class HFPagedCache(Cache):
             return
         if ok:
             self._logical_len += self._pending
+        elif self._preallocated:  # an engine sequence's forward: the engine rolls its step back
+            self._real = self._real[:, : self._logical_len]
         elif self._logical_len == 0:  # the first forward failed: start over with no rows
             for seq in self.rows:
                 self.kv.truncate(seq, 0, invalidate=True)
@@ -686,8 +709,9 @@ class HFPagedCache(Cache):
         """
         if self.plan is None or not self._owns_plan:
             raise RuntimeError(
-                "HFPagedCache.update_indexer() was called outside a forward planned by patched generate(); "
-                "flashpage.LLM does not run sparse-attention indexers (patch the model and use generate())")
+                "HFPagedCache.update_indexer() was called outside a forward planned by patched generate() or "
+                "HFPagedCache.over_sequence(); the engine's packed steps do not run sparse-attention indexers "
+                "(flashpage.LLM runs such models one sequence per forward: ModelRunner's solo steps)")
         b, length = indexer_key_states.shape[:2]
         rows = indexer_key_states.reshape(b * length, 1, *indexer_key_states.shape[2:])
         step = self.step if self.step is not None and self.step.input_slots.device == rows.device else self.plan

@@ -33,7 +33,16 @@ from flashpage.engine.generation_config import ModelProcessors, config_diff, sam
 from flashpage.engine.limits import context_overflow
 from flashpage.engine.linears import Prepacked
 from flashpage.engine.loading import as_device, as_dtype, load_model
-from flashpage.engine.multimodal import ImageEncoder, image_refusal, load_processor, split_multimodal, split_processor
+from flashpage.engine.multimodal import (
+    ImageEncoder,
+    PromptEmbeds,
+    PromptInputs,
+    both_ways_refusal,
+    image_refusal,
+    load_processor,
+    split_multimodal,
+    split_processor,
+)
 from flashpage.engine.outputs import RequestMetrics, RequestOutput, StreamOutput
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.positions import EnginePositions
@@ -49,7 +58,12 @@ from flashpage.engine.states import StateSlots, recurrent_states_of, restart_fro
 from flashpage.engine.structured import GrammarEngine, StructuredOutputsParams
 from flashpage.engine.weights import WeightWatcher, forget_kv
 from flashpage.patches import HFPagedCache, is_patched, patch, unpatch
-from flashpage.patches.checks import engine_refusal_reason
+from flashpage.patches.checks import (
+    ProbeReport,
+    engine_refusal_reason,
+    generate_layout_reason,
+    unmasked_bidirectional_prefill,
+)
 from flashpage.patches.compat import require_supported_transformers
 from flashpage.patches.patching import UnsupportedModelError, patch_state
 
@@ -180,16 +194,26 @@ class LLM:
         patch(self.model)
         try:
             state, config, states = self._check_engine_model()
+            # exact only in generate()'s layout (a sparse indexer, a mask the model edits): one sequence per
+            # forward, a prompt whole, no prefix caching (engine/solo.py); None: the packed steps
+            self.solo_reason = generate_layout_reason(state.report)
+            self._both_ways = self._check_both_ways(state.report)  # PaliGemma: prompts attend both ways
             self._build_pool(config, block_size=block_size, num_blocks=num_blocks,
                              kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                             enable_prefix_caching=enable_prefix_caching and states is None)
+                             enable_prefix_caching=enable_prefix_caching and states is None
+                             and self.solo_reason is None)
             check_spec_support(spec_config, self.model, states is not None, self._tp is not None)
+            if spec_config is not None and self.solo_reason is not None:
+                raise ValueError(f"speculative_config: {type(self.model).__name__} runs one sequence per forward, as "
+                                 f"generate() does ({self.solo_reason}), where a verification chunk's layout is not "
+                                 "exact; leave speculative_config out for this model")
         except BaseException:  # leave the model as it was given
             if not was_patched:
                 unpatch(self.model)
             raise
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_prefill_with_decodes)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_prefill_with_decodes,
+                                   generate_layout=self.solo_reason is not None)
         try:
             self._spec = self._build_speculator(spec_config, max_num_seqs) if spec_config is not None else None
         except BaseException:  # a draft model that cannot run: leave the model as it was given
@@ -203,7 +227,8 @@ class LLM:
         self._init_bookkeeping(check_invariants)
         self.runner = self._build_runner(config, states, RunnerConfig(
             max_num_seqs, max_num_batched_tokens, compile, cpu_prepack, tensor_parallel=self._tp is not None,
-            dense_view=state.family.path == "dense-view", chunked_attention=bool(state.chunks)))
+            dense_view=state.family.path == "dense-view", chunked_attention=bool(state.chunks),
+            solo=self.solo_reason is not None))
 
     def _check_engine_model(self) -> tuple[Any, Any, StateSlots | None]:
         """Refuse a patched model the engine cannot run exactly; set the device and vocabulary. Returns the
@@ -582,7 +607,7 @@ class LLM:
             text, ids = self._tokenize(prompt)
         self._validate_prompt(ids, params)
         self._check_context(len(ids), params)
-        mm = self._image_encoder.encode(ids, image_inputs) if image_inputs is not None else None
+        mm = self._prompt_inputs(ids, image_inputs)
         rid = request_id if request_id is not None else self._next_id()
         if rid in self._groups:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -652,16 +677,13 @@ class LLM:
                              f"'prompt_token_ids' (and optionally 'mm_processor_kwargs'), got keys "
                              f"{sorted(map(str, prompt))}")
         images, tensors = split_multimodal(prompt["multi_modal_data"])
-        if self._image_encoder is None:  # (a span of tokens attending both ways must fit one step's budget)
-            self._image_encoder = ImageEncoder(self.model, self.processor, self.scheduler.max_num_batched_tokens)
         if "prompt" in prompt:
             if images is None:
                 raise ValueError("pre-processed image inputs ({'image': {'pixel_values': ...}}) go with "
                                  "'prompt_token_ids' (the processor's input_ids); a text prompt takes images")
             if not isinstance(prompt["prompt"], str):
                 raise TypeError(f"'prompt' must be a text, got {type(prompt['prompt']).__name__}")
-            ids, inputs = self._image_encoder.process(prompt["prompt"], images,
-                                                      prompt.get("mm_processor_kwargs") or {})
+            ids, inputs = self._encoder().process(prompt["prompt"], images, prompt.get("mm_processor_kwargs") or {})
             return prompt["prompt"], ids, inputs
         if tensors is None:
             raise ValueError("with 'prompt_token_ids', multi_modal_data['image'] must be the processor's outputs "
@@ -669,11 +691,45 @@ class LLM:
         _, ids = self._tokenize(prompt["prompt_token_ids"])
         return None, ids, tensors
 
+    def _check_both_ways(self, report: ProbeReport | None) -> bool:
+        """Whether a prompt transformers hands no mask attends both ways in this model (PaliGemma under sdpa: each
+        request's prompt is then one span, engine/multimodal.py PromptSpans); a model whose spans cannot be read is
+        refused."""
+        if not unmasked_bidirectional_prefill(report):
+            return False
+        reason = both_ways_refusal(self.model)
+        if reason is not None:
+            raise UnsupportedModelError(f"flashpage.LLM cannot run {type(self.model).__name__} (model_type="
+                                        f"{self.model.config.model_type!r}) exactly: {reason}. Use "
+                                        "flashpage.patch(model) with model.generate() instead.")
+        return True
+
+    def _encoder(self) -> ImageEncoder:
+        """The image encoder, made by the first request that needs it (a span of tokens attending both ways must
+        fit one step's budget)."""
+        if self._image_encoder is None:
+            self._image_encoder = ImageEncoder(self.model, self.processor, self.scheduler.max_num_batched_tokens,
+                                               both_ways=self._both_ways)
+        return self._image_encoder
+
+    def _prompt_inputs(self, ids: list[int], image_inputs: dict[str, Any] | None) -> PromptInputs | None:
+        """What a request keeps beyond its ids (engine/multimodal.py): its image embeddings; for a text prompt
+        of a model that attends to it both ways (PaliGemma), its two-way span; None: neither. A span longer than
+        max_num_batched_tokens is refused here, before the request is queued."""
+        if image_inputs is not None:
+            return self._encoder().encode(ids, image_inputs)
+        if not self._both_ways:
+            return None
+        if self._tp is not None:
+            raise ValueError(f"flashpage.LLM cannot run {type(self.model).__name__}'s prompts, which attend both "
+                             "ways, under tensor parallelism yet")
+        return self._encoder().text_spans(ids)
+
     def _encode_images_again(self) -> None:
         """After a weight change: the image embeddings of unfinished requests come from the new weights too."""
         for group in self._groups.values():
-            if group.mm is not None and self._image_encoder is not None:
-                group.mm = self._image_encoder.encode(group.prompt_token_ids, group.mm.inputs)
+            if isinstance(group.mm, PromptEmbeds):
+                group.mm = self._encoder().encode(group.prompt_token_ids, group.mm.inputs)
 
     def _image_refusal(self) -> str | None:
         """Why this LLM cannot take images (None: it can; recurrent models' steps take them: engine/states.py)."""
@@ -697,6 +753,11 @@ class LLM:
             raise ValueError(f"prompt needs {need} KV blocks but the whole pool has {self.kv.num_blocks} "
                              f"({need - self.kv.num_blocks} too many); give the LLM more KV memory "
                              "(num_blocks= or kv_cache_memory=) or shorten the prompt")
+        if self.solo_reason is not None and len(ids) > self.scheduler.max_num_batched_tokens:
+            raise ValueError(f"prompt has {len(ids)} tokens but {type(self.model).__name__} computes a prompt whole in "
+                             f"one step, as generate() does ({self.solo_reason}), and a step takes at most "
+                             f"max_num_batched_tokens={self.scheduler.max_num_batched_tokens}: raise "
+                             "max_num_batched_tokens or shorten the prompt")
 
     def _check_context(self, num_prompt: int, params: SamplingParams) -> None:
         """Prompt + max_tokens beyond max_model_len: ValueError, or (opted in) a warning and a shorter output."""

@@ -24,9 +24,15 @@ A request with images (``{"prompt": text, "multi_modal_data": {"image": PIL | [P
   unless they rebuild those masks exactly); the scheduler never ends a chunk inside a span (a span longer than
   ``max_num_batched_tokens`` is refused when the request is added) and the step plan carries each chunk's spans to
   the attention, which computes those queries under the model's mask (flashpage/plan.py ``_two_way_rows``);
+- PaliGemma attends to its whole prompt both ways (transformers: the image + prompt prefix from ``token_type_ids``;
+  an unpadded prompt without them gets no mask, and its text attention says ``is_causal=False``): every request's
+  prompt ``[0, L)`` is one two-way span, text-only ones included (:class:`PromptSpans`: no image rows), read from
+  the masks the model builds for the prompt, where a skipped mask means the whole prompt (``both_ways``: the models
+  ``flashpage.patches.checks.unmasked_bidirectional_prefill`` finds);
 - the prefix cache keys of a request's tokens from its first image row on carry a hash of the image inputs
   (:meth:`PromptEmbeds.cache_keys`; every processor output, grid sizes included): equal text with other images
-  never shares pages; the text before the first image still does;
+  never shares pages; the text before the first image still does; from a two-way span's first token on they also
+  carry a hash of the span's tokens (:meth:`TwoWay.cache_keys`; PaliGemma: only the identical whole prompt shares);
 - after a weight change the unfinished requests' embeddings are computed again from the kept image inputs.
 
 Exact for the decoders whose language model takes ``inputs_embeds`` (and deepstack features) as its image inputs
@@ -43,7 +49,7 @@ import io
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -58,15 +64,19 @@ IMAGE_TYPES = frozenset({
     "qwen3_vl", "qwen3_vl_moe", "cosmos3_omni",
     # M-RoPE with recurrent (gated delta net) layers: the engine's per-chunk recurrent forwards (engine/states.py)
     "qwen3_5", "qwen3_5_moe",
-    # image tokens attending both ways (Gemma 3's image blocks, Gemma 4's on its sliding layers): TwoWay spans
-    "gemma3", "shieldgemma2", "gemma4"})
+    # image tokens attending both ways (Gemma 3's image blocks, Gemma 4's on its sliding layers, PaliGemma's whole
+    # prompt): TwoWay spans
+    "gemma3", "shieldgemma2", "gemma4", "paligemma",
+    # sparse-attention indexers: one sequence per forward, as generate() runs it (engine/solo.py;
+    # tests/engine/test_llm_sparse_indexer.py)
+    "mistral_large4", "qwen4_exp"})
 
 _BIDIRECTIONAL = "its image tokens attend both ways (token_type_ids) and the engine's two-way spans are verified " \
-                 "for gemma3, shieldgemma2 and gemma4 only; flashpage.patch(model) with model.generate() is exact " \
-                 "for it"
+                 "for gemma3, shieldgemma2, gemma4 and paligemma only; flashpage.patch(model) with " \
+                 "model.generate() is exact for it"
 _MROPE = "its M-RoPE image positions are not verified in LLM yet (qwen2_vl, qwen3_vl, glm4v and others are); " \
          "flashpage.patch(model) with model.generate() is exact for it"
-REFUSED = {"gemma3n": _BIDIRECTIONAL, "paligemma": _BIDIRECTIONAL,
+REFUSED = {"gemma3n": _BIDIRECTIONAL,
            **{t: _MROPE for t in ("qwen2_5_omni", "qwen3_omni_moe", "ernie4_5_vl", "ernie4_5_vl_moe", "paddleocr_vl",
                                   "video_llama_3")}}
 
@@ -92,7 +102,7 @@ class PromptEmbeds:
     mrope: torch.Tensor | None = None  # M-RoPE (Qwen2-VL): the prompt's (3, L) position ids; None: 1-D positions
     delta: int = 0  # ... and the offset of the positions after the prompt (max position + 1 - L)
     deep: Deepstack | None = None  # Qwen3-VL: the features its first decoder layers add at the visual positions
-    two_way: TwoWay | None = None  # Gemma 3 / PaliGemma: prompt spans whose tokens attend both ways
+    two_way: TwoWay | None = None  # Gemma 3 / Gemma 4 / PaliGemma: prompt spans whose tokens attend both ways
 
     def __post_init__(self) -> None:
         self.first, self.last = int(self.positions[0]), int(self.positions[-1])
@@ -120,14 +130,37 @@ class PromptEmbeds:
 
     def cache_keys(self, token_ids: Sequence[int], start: int) -> list[Any]:
         """Prefix-cache keys of ``token_ids`` (positions ``start``...): ids before the first image row, ``(id,
-        salt)`` from it on; inside and after a two-way span also the hash of the spans' tokens (a span's K/V depend
-        on its later tokens: PaliGemma's span holds the prompt's text)."""
+        salt)`` from it on; inside and after a two-way span also the hash of the spans' tokens
+        (:meth:`TwoWay.cache_keys`)."""
         first = self.first
         keys = [t if start + i < first else (t, self.salt) for i, t in enumerate(token_ids)]
-        if self.two_way is not None:
-            begin = self.two_way.first
-            keys = [k if start + i < begin else (k, self.two_way.salt) for i, k in enumerate(keys)]
-        return keys
+        return keys if self.two_way is None else self.two_way.cache_keys(keys, start)
+
+
+@dataclass
+class PromptSpans:
+    """A text prompt (no images) whose tokens attend both ways: PaliGemma's, whose whole prompt transformers
+    attends to both ways. Its ``two_way`` spans reach the scheduler, the step plan and the prefix cache as an image
+    request's do (:class:`PromptEmbeds`, whose other inputs it has none of: no rows to put back, 1-D positions)."""
+
+    two_way: TwoWay
+    mrope: ClassVar[None] = None
+    deep: ClassVar[None] = None
+
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether prompt positions [start, end) hold tokens of a span (computed by the step that carries spans)."""
+        return any(self.two_way.step_spans(0, start, end).values())
+
+    def put(self, embeds: torch.Tensor, offset: int, start: int, end: int) -> None:
+        """No image rows: the step's token embedding is the prompt's."""
+
+    def cache_keys(self, token_ids: Sequence[int], start: int) -> list[Any]:
+        """Prefix-cache keys of ``token_ids`` (positions ``start``...): salted with the spans' hash from the first
+        span on (PaliGemma: every key, so only the identical whole prompt shares pages)."""
+        return self.two_way.cache_keys(list(token_ids), start)
+
+
+PromptInputs = PromptEmbeds | PromptSpans  # what a request keeps beyond its ids (engine/sequence.py Group.mm)
 
 
 @dataclass
@@ -176,6 +209,11 @@ class TwoWay:
                     end = a if a > start else start
         return end - start
 
+    def cache_keys(self, keys: list[Any], start: int) -> list[Any]:
+        """``keys`` of positions ``start``... with those from the first span on paired with ``salt`` (a span's K/V
+        depend on its later tokens: PaliGemma's span holds the prompt's text)."""
+        return [k if start + i < self.first else (k, self.salt) for i, k in enumerate(keys)]
+
     def step_spans(self, index: int, start: int, end: int) -> dict[str, list[tuple[int, int, int, int]]]:
         """The spans a chunk of positions [start, end) (sequence ``index`` of the step) computes queries of, as
         ``(index, a, b, reach)`` per kind."""
@@ -183,7 +221,7 @@ class TwoWay:
                 for kind, spans in self.spans.items()}
 
 
-def two_way_spans(spans: Sequence[tuple[PromptEmbeds | None, int, int]]
+def two_way_spans(spans: Sequence[tuple[PromptInputs | None, int, int]]
                   ) -> dict[str, list[tuple[int, int, int, int]]]:
     """A step's two-way spans per layer kind (``(sequence index, a, b, reach)``, what the step plan carries to the
     attention: flashpage/plan.py) from each chunk's (embeds, start, end), in the step's sequence order; empty:
@@ -196,16 +234,21 @@ def two_way_spans(spans: Sequence[tuple[PromptEmbeds | None, int, int]]
     return {k: v for k, v in out.items() if v}
 
 
-def _two_way(mask: Any, ids: Sequence[int], window: int | None) -> TwoWay | None:
+def _two_way(mask: Any, ids: Sequence[int], window: int | None, both_ways: bool = False) -> TwoWay | None:
     """The two-way spans of the masks the language model got for the prompt (a (1, 1, L, L) mask, or one per
     layer type: ``{"full_attention": ..., "sliding_attention": ...}``); None when every one is causal. A mask that
     is not the layer's causal (sliding) mask plus blocks attending both ways (wholly, or later keys wholly and
-    earlier ones within the sliding window) is refused."""
+    earlier ones within the sliding window) is refused. ``both_ways``: the model's attention attends to every key
+    where it gets no mask (PaliGemma under sdpa, which transformers hands no mask for an unpadded prompt): a layer
+    kind given None has the whole prompt as its span."""
     masks = mask if isinstance(mask, Mapping) else {"full_attention": mask, "sliding_attention": mask}
     length = len(ids)
     spans: dict[str, list[tuple[int, int, int]]] = {}
     for name, m in masks.items():
         kind = "sliding" if "sliding" in str(name) else "full"
+        if m is None and both_ways and length > 1:
+            spans[kind] = [(0, length, length)]
+            continue
         if not isinstance(m, torch.Tensor) or m.dim() != 4:  # None / a (1, L) padding mask: built causal inside
             continue
         if m.shape[0] != 1 or tuple(m.shape[-2:]) != (length, length):
@@ -260,7 +303,7 @@ def _blocks(grid: torch.Tensor) -> list[tuple[int, int]]:
     return found
 
 
-def deepstack_kwargs(spans: Sequence[tuple[PromptEmbeds | None, int, int]], total: int,
+def deepstack_kwargs(spans: Sequence[tuple[PromptInputs | None, int, int]], total: int,
                      device: torch.device) -> dict[str, Any] | None:
     """A packed step's deepstack inputs for the language model: ``visual_pos_masks`` (1, ``total``) over the step's
     rows and ``deepstack_visual_embeds`` (per layer, the features of those rows in packed order), from each chunk's
@@ -367,6 +410,17 @@ def image_refusal(model: Any) -> str | None:
     return None
 
 
+def both_ways_refusal(model: Any) -> str | None:
+    """Why LLM cannot run ``model``, whose attention attends to a prompt it gets no mask for both ways
+    (``flashpage.patches.checks.unmasked_bidirectional_prefill``), exactly; None: it can (its prompts' spans are read
+    from the masks its outer forward hands its language model: :meth:`ImageEncoder.text_spans`)."""
+    if _language_model(model) is None:
+        return ("its attention says is_causal=False: transformers attends to an unpadded prompt both ways (sdpa "
+                "without a mask), and the engine reads such a prompt's span from the masks a vision-language model "
+                "hands its language_model submodule, which it has none of")
+    return None
+
+
 def _language_model(model: Any) -> Any:
     for owner in (getattr(model, "model", None), model):
         for name in ("language_model", "text_model"):  # Idefics3 / SmolVLM: text_model
@@ -377,18 +431,20 @@ def _language_model(model: Any) -> Any:
 
 
 class ImageEncoder:
-    """Prompt ids and image embeddings of image requests for one model (see the module docstring)."""
+    """Prompt ids and image embeddings of image requests for one model (see the module docstring), and the spans of
+    text prompts that attend both ways (PaliGemma: :meth:`text_spans`)."""
 
-    def __init__(self, model: Any, processor: Any = None, budget: int | None = None) -> None:
+    def __init__(self, model: Any, processor: Any = None, budget: int | None = None, both_ways: bool = False) -> None:
         self.model = model
         self.processor = processor
         self.budget = budget  # max_num_batched_tokens: a two-way span must fit one step
+        self.both_ways = both_ways  # the model attends to a prompt it gets no mask for both ways (PaliGemma)
         self.device = next(model.parameters()).device
 
     def process(self, prompt: str, images: list[Any],
                 kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], dict[str, Any]]:
         """The processor on one prompt and its images (``kwargs``: vLLM's ``mm_processor_kwargs``, passed to the
-        processor call): (prompt ids, the other tensors)."""
+        processor call): (prompt ids, the other tensors; not ``labels``, which PaliGemma's processor adds)."""
         if self.processor is None:
             raise ValueError("a text prompt with images needs the model's processor: LLM(model, processor=...) (or "
                              "tokenizer=processor; loaded with the model from a path that has one), or pass "
@@ -396,6 +452,7 @@ class ImageEncoder:
         out = dict(self.processor(text=prompt, images=images, return_tensors="pt", **dict(kwargs or {})))
         ids = out.pop("input_ids")
         out.pop("attention_mask", None)
+        out.pop("labels", None)
         if ids.dim() != 2 or ids.shape[0] != 1:
             raise ValueError(f"the processor gave input_ids of shape {tuple(ids.shape)} for one prompt")
         return ids[0].tolist(), out
@@ -403,30 +460,12 @@ class ImageEncoder:
     def encode(self, ids: list[int], inputs: Mapping[str, Any]) -> PromptEmbeds:
         """Run the model's forward on ``ids`` and the image tensors ``inputs`` (batch of one) up to its language
         model; keep the rows of the language model's ``inputs_embeds`` that differ from the token embedding."""
-        lm = _language_model(self.model)
         kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         for k, v in list(kwargs.items()):
             if isinstance(v, torch.Tensor) and v.is_floating_point():
                 kwargs[k] = v.to(self.model.dtype)
         input_ids = torch.tensor([ids], device=self.device)
-
-        def grab(_module: Any, args: tuple, kw: dict) -> None:
-            raise _Captured(kw)
-
-        inner = getattr(self.model, "model", None)
-        saved = getattr(inner, "rope_deltas", _MISSING)  # Qwen-VL keeps the last forward's deltas: left as it was
-        handle = lm.register_forward_pre_hook(grab, with_kwargs=True)
-        try:
-            with torch.inference_mode():
-                self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False, **kwargs)
-        except _Captured as got:
-            seen = got.kw
-        else:
-            raise ValueError(f"{type(self.model).__name__}'s forward never called its language model")
-        finally:
-            handle.remove()
-            if saved is not _MISSING:
-                inner.rope_deltas = saved
+        seen = self._capture(input_ids, kwargs)
         taken = _LM_KWARGS | set(_DEEPSTACK_KW) | ({"per_layer_inputs"} if _per_layer(self.model) else set())
         extra = sorted(k for k, v in seen.items() if v is not None and k not in taken)
         if extra or seen.get("inputs_embeds") is None:
@@ -440,14 +479,49 @@ class ImageEncoder:
         if not len(differ):
             raise ValueError("the images changed no prompt embedding: does the prompt hold the model's image "
                              "placeholder tokens?")
-        text = self.model.config.get_text_config(decoder=True)
-        two_way = _two_way(seen.get("attention_mask"), ids, getattr(text, "sliding_window", None))
-        if two_way is not None and self.budget is not None and two_way.longest > self.budget:
-            raise ValueError(f"this prompt's tokens at positions {two_way.spans} attend both ways and are computed "
-                             f"in one step, whose budget is max_num_batched_tokens={self.budget}: raise it to at "
-                             f"least {two_way.longest} (or use fewer image tokens)")
         return PromptEmbeds(differ, embeds[differ.to(embeds.device)].clone(), _digest(inputs), dict(inputs),
-                            mrope, delta, _deepstack(seen), two_way)
+                            mrope, delta, _deepstack(seen), self._spans(seen.get("attention_mask"), ids))
+
+    def text_spans(self, ids: list[int]) -> PromptSpans | None:
+        """A text prompt's spans attending both ways, from the masks the model builds for it (a skipped one: the
+        whole prompt, where ``both_ways``); None: it attends causally."""
+        seen = self._capture(torch.tensor([ids], device=self.device), {})
+        two_way = self._spans(seen.get("attention_mask"), ids)
+        return None if two_way is None else PromptSpans(two_way)
+
+    def _capture(self, input_ids: torch.Tensor, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The kwargs the model's forward on ``input_ids`` (1, L) and ``kwargs`` gives its language model (which
+        does not run)."""
+
+        def grab(_module: Any, args: tuple, kw: dict) -> None:
+            raise _Captured(kw)
+
+        inner = getattr(self.model, "model", None)
+        saved = getattr(inner, "rope_deltas", _MISSING)  # Qwen-VL keeps the last forward's deltas: left as it was
+        handle = _language_model(self.model).register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            with torch.inference_mode():
+                self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False, **kwargs)
+        except _Captured as got:
+            return got.kw
+        else:
+            raise ValueError(f"{type(self.model).__name__}'s forward never called its language model")
+        finally:
+            handle.remove()
+            if saved is not _MISSING:
+                inner.rope_deltas = saved
+
+    def _spans(self, mask: Any, ids: Sequence[int]) -> TwoWay | None:
+        """The prompt's two-way spans from the language model's ``mask`` for it (:func:`_two_way`); one longer than
+        a step's budget is refused (it is computed in one step)."""
+        text = self.model.config.get_text_config(decoder=True)
+        two_way = _two_way(mask, ids, getattr(text, "sliding_window", None), self.both_ways)
+        if two_way is not None and self.budget is not None and two_way.longest > self.budget:
+            where = ", ".join(f"[{a}, {b})" for a, b in sorted({sp[:2] for f in two_way.spans.values() for sp in f}))
+            raise ValueError(f"this prompt's tokens at positions {where} attend both ways and are computed "
+                             f"in one step, whose budget is max_num_batched_tokens={self.budget}: raise it to at "
+                             f"least {two_way.longest} (or use a shorter prompt, fewer image tokens)")
+        return two_way
 
 
 _MISSING = object()

@@ -3,7 +3,8 @@
 :class:`ModelRunner` owns what touches the model: the patched model, the ``HFPagedCache`` wrapper over the
 paged KV pool (``_cache``), the cache keyword, the recurrent state slots, and the step kinds (the flat eager
 loop of ``engine/flat.py``, the compiled step / decode of ``engine/compiled.py``, the model's eager forward,
-and the stateful ``[B, L]`` rows of ``engine/states.py``), plus the weights watcher. ``LLM`` keeps the
+the stateful ``[B, L]`` rows of ``engine/states.py``, and for models only generate()'s layout is exact on the
+solo steps of ``engine/solo.py``: one ``[1, L]`` forward per sequence), plus the weights watcher. ``LLM`` keeps the
 request API, the groups, the scheduler and the sampler; speculative decoding or multimodal inputs would
 plug in here (as nano-vllm's ``ModelRunner`` and vLLM V1's ``GPUModelRunner``).
 
@@ -32,12 +33,13 @@ import torch
 from flashpage.cache import PagedKVCache
 from flashpage.cpu_threads import ThreadGovernor
 from flashpage.engine.compiled import CompiledDecode, CompiledStep, default_compile
-from flashpage.engine.fastpath import fastpath_scope, install_fastpath
+from flashpage.engine.fastpath import FastPath, fastpath_scope, install_fastpath
 from flashpage.engine.flat import FlatDecoder, flat_decoder
 from flashpage.engine.linears import Prepacked, install_onednn_linears, onednn_scope
 from flashpage.engine.multimodal import deepstack_kwargs, language_model_inputs, per_layer_kwargs, two_way_spans
 from flashpage.engine.positions import EnginePositions, honours_logits_to_keep, kept_rows
 from flashpage.engine.scheduler import Chunk, Schedule
+from flashpage.engine.solo import SoloModel, restart_solo_step, solo_forward
 from flashpage.engine.states import StateSlots, continues_chunks, restart_from_scratch, stateful_forward
 from flashpage.engine.weights import WeightWatcher
 from flashpage.patches import HFPagedCache, is_patched, patch, unpatch
@@ -62,6 +64,7 @@ class RunnerConfig:
     tensor_parallel: bool = False
     dense_view: bool = False  # K/V transformed after the cache (MLA...): no static shapes
     chunked_attention: bool = False  # Llama 4: the model's code specialises on the step's length
+    solo: bool = False  # one [1, L] forward per sequence, as generate() runs it (engine/solo.py)
 
 
 def new_probe_cache(model: Any) -> HFPagedCache:
@@ -112,9 +115,12 @@ class ModelRunner:
         # of a prompt run one token at a time
         self._token_by_token = states is not None and not continues_chunks(self.states_after,
                                                                            _probe_tokens(config, 8))
+        self._solo_steps = options.solo
         use_compile = self._choose_compile(options)
         self._install_eager(options.cpu_prepack, options.tensor_parallel)
         self._build_compiled(use_compile, options)
+        self._solo = SoloModel(model, kv, config, type(self._cache), self._cache_kwarg, self.device, states,
+                               self._keeps_logits, tuple(self._cache.module_states)) if options.solo else None
         self._weights = WeightWatcher(model)  # KV of older weights is dropped, never reused (weights.py)
         self.threads = ThreadGovernor.for_device(self.device)  # one thread while the cores are shared
 
@@ -135,6 +141,12 @@ class ModelRunner:
                 warnings.warn(f"flashpage.LLM(compile=True): {name} transforms its K/V after the cache (dense view); "
                               "its steps run eagerly", stacklevel=_LLM_CALLER)
             use = False
+        if options.solo:
+            if asked:
+                warnings.warn(f"flashpage.LLM(compile=True): {name} runs one sequence per forward, as generate() "
+                              "does (a sparse-attention indexer or a mask the model edits); its steps run eagerly",
+                              stacklevel=_LLM_CALLER)
+            use = False
         if options.chunked_attention:
             if asked:
                 warnings.warn(f"flashpage.LLM(compile=True): {name} has chunked-attention layers; its steps run "
@@ -150,13 +162,16 @@ class ModelRunner:
         return use
 
     def _install_eager(self, cpu_prepack: bool | str, tensor_parallel: bool) -> None:
-        """The eager forward's helpers: oneDNN linears (CPU float32), fused ops, the flat loop."""
+        """The eager forward's helpers: oneDNN linears (CPU float32), fused ops, the flat loop. None for solo steps,
+        which run the model's own forward as generate() does (and whose models' rotary helpers may take other
+        arguments: Qwen4-Exp's indexer rotates its queries alone)."""
+        solo = self._solo_steps
         # CPU float32: linears through oneDNN inside the engine's eager forwards (engine/linears.py)
-        self._onednn = self.device.type == "cpu" and install_onednn_linears(self.model) > 0
+        self._onednn = not solo and self.device.type == "cpu" and install_onednn_linears(self.model) > 0
         # ... with their weights packed (and siblings fused) once, as vLLM's CPU backend does (engine/linears.py)
         self._prepack = Prepacked(self.model, cpu_prepack) if self._onednn else None
         # fused norms / rotary / gated-MLP activations inside the engine's eager forwards (engine/fastpath.py)
-        self.fastpath = install_fastpath(self.model)
+        self.fastpath = FastPath() if solo else install_fastpath(self.model)
         # a plain Llama-family decoder's eager step as one flat loop, once a step proves it equal (engine/flat.py)
         self._tensor_parallel = tensor_parallel
         self._flat: FlatDecoder | None = None
@@ -209,6 +224,8 @@ class ModelRunner:
         ones); on failure the schedule is rolled back and the error re-raised."""
         chunks = schedule.chunks
         ids, pos, keep = step_inputs(schedule, extra_rows)
+        if self._solo is not None:
+            return self._solo_forward(schedule, keep)
         if self.states is not None:
             return self._stateful_forward(schedule, keep)
         compiled = self._compiled if not extra_rows else None
@@ -320,8 +337,8 @@ class ModelRunner:
         modules keep their verified loop); says why there is none."""
         old, self._flat = self._flat, None
         if self.states is not None or self._positions is not None or not self._keeps_logits \
-                or self._tensor_parallel:
-            return "off: recurrent layers, own positions / logits rows, or tensor parallel"
+                or self._tensor_parallel or self._solo_steps:
+            return "off: recurrent layers, own positions / logits rows, tensor parallel, or solo steps"
         flat = flat_decoder(self.model)
         if isinstance(flat, str):
             return f"off: {flat}"
@@ -338,6 +355,21 @@ class ModelRunner:
     def _new_cache(self) -> HFPagedCache:
         """A fresh generate()-style cache for probes (recurrent state in the model's modules included)."""
         return new_probe_cache(self.model)
+
+    def _solo_forward(self, schedule: Schedule, keep: list[int]) -> torch.Tensor:
+        """A model only generate()'s layout is exact on: one [1, L] forward per chunk (engine/solo.py)."""
+        assert self._solo is not None
+        try:
+            self.ensure_patched()
+            with torch.inference_mode():  # the model's own forward, as generate() runs it (no fused ops)
+                logits = solo_forward(self._solo, schedule.chunks, keep)
+        except BaseException:
+            self._rollback(schedule)
+            restart_solo_step(self._solo, schedule.chunks)
+            raise
+        for c in schedule.chunks:
+            c.seq.num_computed = c.start + c.num_tokens
+        return logits
 
     def _stateful_forward(self, schedule: Schedule, keep: list[int]) -> torch.Tensor:
         """A model with recurrent layers: decodes as [B, 1] rows, other chunks alone (engine/states.py)."""

@@ -67,7 +67,7 @@ class Scheduler:
     """Admission, chunking, slot allocation and preemption over one :class:`PagedKVCache`."""
 
     def __init__(self, kv: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_with_decodes: int | None = None) -> None:
+                 max_prefill_with_decodes: int | None = None, generate_layout: bool = False) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -78,6 +78,8 @@ class Scheduler:
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.num_preemptions = 0
+        # chunks cut as generate() computes tokens: a whole prompt, then one token at a time (engine/solo.py)
+        self.generate_layout = generate_layout
 
     # ----------------------------------------------------------------- queues
     def add(self, seq: Seq) -> None:
@@ -148,7 +150,7 @@ class Scheduler:
                 budget = min(budget, self.max_prefill_with_decodes - self._prefill_tokens(out))
                 if budget <= 0:
                     break
-            n = _whole_spans(seq, min(seq.remaining, budget))
+            n = self._chunk_tokens(seq, budget)
             if not n:
                 continue
             draft = self._draft(seq, proposals.get(seq.seq_id), budget, len(decodes) - i - 1)
@@ -170,7 +172,7 @@ class Scheduler:
         """The part of ``proposal`` a decode of ``seq`` carries: within the budget left after one token for
         each decode still to schedule, and within the free blocks left after one for each of them (a
         proposal never makes anyone wait or be preempted)."""
-        if not proposal or seq.remaining != 1:
+        if not proposal or seq.remaining != 1 or self.generate_layout:
             return []
         draft = list(proposal[:max(0, budget - 1 - decodes_after)])
         while draft and self.kv.blocks.blocks_needed(seq.seq_id, 1 + len(draft)) + decodes_after \
@@ -222,7 +224,7 @@ class Scheduler:
                 seq.num_computed = cached
                 if seq.num_output == 0:
                     seq.group.metrics.cached_prompt_tokens = cached
-            n = _whole_spans(seq, min(seq.remaining, budget))
+            n = self._chunk_tokens(seq, budget)
             if not n or not self._fits(seq, n):
                 self._release(seq)  # give back its prefix hits; it stays first in line
                 seq.num_computed = 0
@@ -233,6 +235,15 @@ class Scheduler:
             self.running.append(seq)
             out.chunks.append(chunk)
             budget -= n
+
+    def _chunk_tokens(self, seq: Seq, budget: int) -> int:
+        """Tokens of ``seq`` this step computes within ``budget`` (0: none this step). With ``generate_layout``
+        as generate() computes them: the whole prompt from the first token (or nothing this step), then one
+        token per chunk (a preempted sequence recomputes its outputs one at a time)."""
+        if self.generate_layout:
+            n = seq.num_prompt if seq.num_computed == 0 else 1
+            return n if n <= budget else 0
+        return _whole_spans(seq, min(seq.remaining, budget))
 
     def _release(self, seq: Seq) -> None:
         if seq.in_cache:

@@ -547,7 +547,8 @@ class EngineEnv:
 
     @property
     def unsupported(self) -> tuple[torch.nn.Module, torch.Tensor]:
-        """A model LLM does not support (Doge edits its attention mask itself) and its own output."""
+        """A model LLM refuses an option for (Doge edits its attention mask itself: one sequence per forward, no
+        speculative decoding) and its own output."""
         if self._unsupported is None:
             from sweep_models import build_model
 
@@ -695,9 +696,10 @@ ENGINE_CASES = [
     Case("engine-stream-during-generate", RuntimeError, r"LLM\.stream\(\) is already running",
          _concurrently(lambda llm: next(iter(llm.stream([PROMPT], GREEDY)))), after=_first_call_was_exact),
     # construction
-    Case("engine-llm-on-unsupported-model", TypeError, r"flashpage\.LLM cannot run DogeForCausalLM \(model_type="
-         r"'doge'\) exactly: .*edit the attention mask.*flashpage\.patch\(model\) with model\.generate\(\)",
-         lambda env: LLM(env.unsupported[0], num_blocks=8),
+    Case("engine-llm-refused-option-for-model", ValueError, r"speculative_config: DogeForCausalLM runs one sequence "
+         r"per forward, as generate\(\) does \(layers \[0, 1\] edit the attention mask.*leave speculative_config out",
+         lambda env: LLM(env.unsupported[0], num_blocks=8,
+                         speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
          after=_llm_left_model_unpatched),
     Case("engine-llm-zero-blocks", ValueError, r"num_blocks must be a positive int, got 0",
          lambda env: LLM(env.model, num_blocks=0)),

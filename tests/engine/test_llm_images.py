@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlm_zoo import NotBuildable, sweep_image_case, tiny_gemma3, tiny_gemma4, tiny_image, tiny_llava
+from vlm_zoo import NotBuildable, sweep_image_case, tiny_gemma3, tiny_gemma4, tiny_image, tiny_llava, tiny_paligemma
 
 import flashpage
 from flashpage import LLM, SamplingParams
@@ -147,7 +147,10 @@ def test_preprocessed_inputs_with_prompt_token_ids(llava) -> None:
         flashpage.unpatch(model)
 
 
-SWEEP_TYPES = sorted(IMAGE_TYPES - {"llava", "gemma4"})  # (gemma4's 63-token image block: test_two_way_...)
+# (gemma4's 63-token image block: test_two_way_...; paligemma's whole prompt is one span: test_paligemma_...)
+# (a budget of 7 tokens: not for whole-prompt steps, PaliGemma's and the sparse-indexer models', tested with their
+# own budgets here and in test_llm_sparse_indexer.py)
+SWEEP_TYPES = sorted(IMAGE_TYPES - {"llava", "gemma4", "paligemma", "mistral_large4", "qwen4_exp"})
 # M-RoPE types (the model's 3-D positions per request); qwen3_vl(_moe) and cosmos3_omni with deepstack features,
 # qwen3_5(_moe) with recurrent layers
 MROPE_TYPES = ["qwen2_vl", "qwen2_5_vl", "glm4v", "glm4v_moe", "glm46v", "glm_ocr", "glmga", "hunyuan_vl",
@@ -412,5 +415,179 @@ def test_two_images_in_one_prompt(llava) -> None:
                              {"prompt": text, "multi_modal_data": {"image": images[::-1]}}], GREEDY, use_tqdm=False)
         _assert_exact(outs[0], ref)
         _assert_exact(outs[1], ref_swapped)
+    finally:
+        flashpage.unpatch(model)
+
+
+# ------------------------------------------------------------------------ PaliGemma: whole prompts both ways
+@pytest.fixture(scope="module")
+def paligemma():
+    return tiny_paligemma()
+
+
+def _pg_image(processor, text: str, image) -> tuple[dict, dict]:
+    """A PaliGemma image request and its oracle tensors (the processor's ``labels`` left out)."""
+    req, inputs = _request(processor, text, image)
+    inputs.pop("labels", None)
+    return req, inputs
+
+
+def _assert_top_exact(output, ref: tuple[list[int], list[torch.Tensor]]) -> None:
+    """Tokens identical, the chosen and the top-k tokens' logprobs within 1e-4 of the oracle's."""
+    _assert_exact(output, ref)
+    for i, lp in enumerate(output.outputs[0].logprobs):
+        assert lp.top and all(abs(v - float(ref[1][i][t])) <= ATOL for t, v in lp.top.items()), i
+
+
+def _causal_first_logprobs(model, inputs: dict) -> torch.Tensor:
+    """The first generated step's log-softmax of unpatched PaliGemma with its text attention causal (no
+    token_type_ids; is_causal True): what the engine would compute without the prompt's two-way span."""
+    text_attention = [m for n, m in model.named_modules() if n.startswith("model.language_model.layers.")
+                      and n.endswith("self_attn")]
+    assert text_attention and not any(m.is_causal for m in text_attention)
+    for m in text_attention:
+        m.is_causal = True
+    try:
+        causal = _oracle(model, {k: v for k, v in inputs.items() if k != "token_type_ids"}, max_new=1)
+    finally:
+        for m in text_attention:
+            m.is_causal = False
+    return causal[1][0]
+
+
+PG_TEXT = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36], [40],
+           list(range(50, 61))]
+PG_PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
+
+
+def test_paligemma_text_prompts_batched_equal_generate(paligemma) -> None:
+    """Transformers attends to an unpadded PaliGemma prompt both ways (no mask; its text attention says
+    is_causal=False): in LLM each prompt is one span computed whole in one step while the other requests' chunks
+    split around it (budget 16 for 35 prompt tokens, 4-token blocks), batched with decodes: tokens identical and
+    logprobs (top-3 too) within 1e-4 of unpatched generate(), which a causal prefill misses by more."""
+    model, _ = paligemma
+    refs = [_oracle(model, {"input_ids": torch.tensor([p])}, max_new=8) for p in PG_TEXT]
+    causal = _causal_first_logprobs(model, {"input_ids": torch.tensor([PG_TEXT[0]])})
+    assert float((causal - refs[0][1][0]).abs().max()) > 10 * ATOL  # the span matters
+    llm = LLM(model, block_size=4, max_num_batched_tokens=16, max_model_len=64, check_invariants=True)
+    try:
+        outs = llm.generate(PG_TEXT, PG_PARAMS, use_tqdm=False)
+        for out, ref in zip(outs, refs, strict=True):
+            _assert_top_exact(out, ref)
+    finally:
+        flashpage.unpatch(model)
+
+
+def test_paligemma_prompt_longer_than_the_budget_refused_at_add(paligemma) -> None:
+    """A PaliGemma prompt is computed in one step: one longer than max_num_batched_tokens is refused when it is
+    added, naming the setting; the request accepted before it is not lost and still equals generate()."""
+    model, _ = paligemma
+    ref = _oracle(model, {"input_ids": torch.tensor([PG_TEXT[1]])}, max_new=8)
+    llm = LLM(model, block_size=4, max_num_batched_tokens=8, max_model_len=64)
+    try:
+        llm.add_request(PG_TEXT[1], PG_PARAMS, request_id="kept")
+        with pytest.raises(ValueError, match="attend both ways.*max_num_batched_tokens=8.*at least 13"):
+            llm.add_request(PG_TEXT[0], PG_PARAMS, request_id="long")
+        done = {}
+        while llm.has_unfinished_requests():
+            done.update({o.request_id: o for o in llm.step() if o.finished})
+        assert sorted(done) == ["kept"]
+        _assert_top_exact(done["kept"], ref)
+    finally:
+        flashpage.unpatch(model)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_paligemma_images_with_text_preempted_equal_generate(paligemma, caching) -> None:
+    """PaliGemma's image + prompt prefix attends both ways (token_type_ids): the span the engine reads from the
+    model's mask is the whole prompt; image requests (a text prompt with an image, and pre-processed pixel values
+    without token_type_ids: no mask, both ways again) batched with text requests, in a pool too small for all of
+    them (preempted requests recompute their span whole): exact, and the causal prefill is not."""
+    model, processor = paligemma
+    image_reqs = [_pg_image(processor, text, tiny_image(70 + i)) for i, text in enumerate(["what is it", "cat?"])]
+    ids = image_reqs[0][1]["input_ids"][0].tolist()
+    plain = {"input_ids": torch.tensor([ids]), "pixel_values": image_reqs[0][1]["pixel_values"],
+             "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}  # (its bos is the pad id 0: not padding)
+    reqs = [r for r, _ in image_reqs] + [{"prompt_token_ids": ids, "multi_modal_data": {"image": {
+        "pixel_values": plain["pixel_values"]}}}] + PG_TEXT[:3]
+    refs = [_oracle(model, inputs, max_new=8) for _, inputs in image_reqs] + [_oracle(model, plain, max_new=8)]
+    refs += [_oracle(model, {"input_ids": torch.tensor([p])}, max_new=8) for p in PG_TEXT[:3]]
+    assert refs[0][0] != refs[1][0] or float((refs[0][1][0] - refs[1][1][0]).abs().max()) > 1e-3  # images matter
+    causal = _causal_first_logprobs(model, image_reqs[0][1])
+    assert float((causal - refs[0][1][0]).abs().max()) > 10 * ATOL
+    llm = LLM(model, processor=processor, block_size=4, num_blocks=16, max_num_batched_tokens=32, max_model_len=48,
+              enable_prefix_caching=caching, check_invariants=True)
+    try:
+        outs = llm.generate(reqs, PG_PARAMS, use_tqdm=False)
+        assert llm.stats().preemptions > 0
+        for out, ref in zip(outs, refs, strict=True):
+            _assert_top_exact(out, ref)
+    finally:
+        flashpage.unpatch(model)
+
+
+def test_paligemma_prefix_cache_shares_only_the_identical_prompt(paligemma) -> None:
+    """A PaliGemma prompt's K/V depend on all of its tokens (they attend both ways): a prompt sharing its first two
+    blocks with an earlier one but differing later shares no page (a causal cache would hand it the earlier
+    prompt's K/V) and equals generate(); the identical prompt again hits the cache and equals it too; so does the
+    same image and text again."""
+    model, processor = paligemma
+    first, other = PG_TEXT[4], PG_TEXT[4][:9] + [99, 98]
+    image_req, image_inputs = _pg_image(processor, "what is it", tiny_image(80))
+    refs = [_oracle(model, {"input_ids": torch.tensor([p])}, max_new=8) for p in (first, other)]
+    refs.append(_oracle(model, image_inputs, max_new=8))
+    assert float((refs[0][1][0] - refs[1][1][0]).abs().max()) > 10 * ATOL
+    llm = LLM(model, processor=processor, block_size=4, max_num_batched_tokens=32, max_model_len=48,
+              enable_prefix_caching=True, check_invariants=True)
+    try:
+        _assert_top_exact(llm.generate(first, PG_PARAMS, use_tqdm=False)[0], refs[0])
+        out = llm.generate(other, PG_PARAMS, use_tqdm=False)[0]
+        assert out.metrics.cached_prompt_tokens == 0
+        _assert_top_exact(out, refs[1])
+        again = llm.generate(first, PG_PARAMS, use_tqdm=False)[0]
+        assert again.metrics.cached_prompt_tokens >= 8
+        _assert_top_exact(again, refs[0])
+        for expect_cached in (False, True):
+            out = llm.generate(image_req, PG_PARAMS, use_tqdm=False)[0]
+            assert (out.metrics.cached_prompt_tokens > 0) == expect_cached
+            _assert_top_exact(out, refs[2])
+    finally:
+        flashpage.unpatch(model)
+
+
+def _tiny_paligemma2():
+    """PaliGemma 2: the zoo's PaliGemma (its processor and vision tower) with a Gemma 2 text model, sliding layers of
+    window 5 among full ones. Transformers runs Gemma 2 eager: a text prompt gets its causal masks, while the image +
+    prompt prefix (token_type_ids) attends both ways on both layer kinds, the window lifted inside it."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    base, processor = tiny_paligemma()
+    old = base.config.text_config
+    text = dict(model_type="gemma2", vocab_size=old.vocab_size, hidden_size=64, intermediate_size=96,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                max_position_embeddings=256, pad_token_id=old.pad_token_id, bos_token_id=old.bos_token_id,
+                eos_token_id=old.eos_token_id)
+    config = PaliGemmaConfig(text_config=text, vision_config=base.config.vision_config.to_dict(),
+                             image_token_index=base.config.image_token_id, projection_dim=64, hidden_size=64)
+    torch.manual_seed(0)
+    return PaliGemmaForConditionalGeneration(config).eval(), processor
+
+
+def test_paligemma2_sliding_layers_equal_generate() -> None:
+    """PaliGemma 2 (Gemma 2 text, sliding and full layers, eager): its image prompts' spans are read per layer kind
+    from the model's two masks (the whole prompt on both), its text prompts attend causally (an eager mask is always
+    built); batched, a budget that splits the text prompts' chunks around the image prompts, a pool that preempts:
+    exact."""
+    model, processor = _tiny_paligemma2()
+    image_reqs = [_pg_image(processor, text, tiny_image(90 + i)) for i, text in enumerate(["what is it", "cat?"])]
+    refs = [_oracle(model, inputs, max_new=8) for _, inputs in image_reqs]
+    refs += [_oracle(model, {"input_ids": torch.tensor([p])}, max_new=8) for p in PG_TEXT[:3]]
+    llm = LLM(model, processor=processor, block_size=4, num_blocks=16, max_num_batched_tokens=24, max_model_len=48,
+              enable_prefix_caching=True, check_invariants=True)
+    try:
+        outs = llm.generate([r for r, _ in image_reqs] + PG_TEXT[:3], PG_PARAMS, use_tqdm=False)
+        assert llm.stats().preemptions > 0
+        for out, ref in zip(outs, refs, strict=True):
+            _assert_top_exact(out, ref)
     finally:
         flashpage.unpatch(model)

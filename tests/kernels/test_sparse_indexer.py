@@ -5,7 +5,8 @@ its top-k key positions (``indices``). flashpage keeps the indexer keys in an ex
 pool, addressed by the same block tables as the K/V, and restricts the dense attention to the selected
 keys. Checked: the page group itself (writes, gathers, copy-on-write forks, growth, prefix sharing);
 patched greedy and beam-search generate() against unpatched generate() on a tiny DeepSeek-V3.2 whose
-top-k is smaller than the context (so the selection matters); the no-cache forward (the mask merge).
+top-k is smaller than the context (so the selection matters); the no-cache forward (the mask merge); LLM
+taking them one sequence per forward.
 """
 
 from __future__ import annotations
@@ -161,10 +162,11 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("model_type", ["qwen4_exp_text", "doge"])
-def test_mask_edited_by_the_model_is_exact_in_generate_and_refused_by_llm(model_type: str) -> None:
+def test_mask_edited_by_the_model_is_exact_in_generate_and_run_solo_by_llm(model_type: str) -> None:
     """Qwen4-Exp's indexer and Doge's dynamic mask change the mask after transformers builds it: the
     patched model attends under that very mask (the dense view) in generate(); LLM, whose packed steps
-    have no transformers mask, refuses them naming the reason."""
+    have no transformers mask, runs them one sequence per forward, as generate() does (engine/solo.py;
+    exactness: tests/engine/test_llm_sparse_indexer.py)."""
     from sweep_models import _check_generate, _greedy
 
     model = build_model(model_type)
@@ -175,13 +177,16 @@ def test_mask_edited_by_the_model_is_exact_in_generate_and_refused_by_llm(model_
     prompts = _prompts()
     result = _check_generate(model, prompts, _greedy(model, prompts))
     assert result.outcome == "exact", result.detail
-    with pytest.raises(flashpage.UnsupportedModelError, match="edit the attention mask themselves"):
-        flashpage.LLM(model, block_size=4, num_blocks=64, compile=False)
+    llm = flashpage.LLM(model, block_size=4, num_blocks=64, compile=False)
+    assert llm.solo_reason is not None
+    assert "edit the attention mask themselves" in llm.solo_reason or "sparse-attention indexer" in llm.solo_reason
     flashpage.unpatch(model)
 
 
-def test_llm_refuses_a_sparse_indexer_naming_it(dsa: torch.nn.Module) -> None:
-    """The engine's packed steps have no padded mask for the indexer to score under: refused up front."""
-    with pytest.raises(flashpage.UnsupportedModelError, match=r"model_type='deepseek_v32'.*sparse-attention indexer"):
-        flashpage.LLM(dsa, block_size=4, num_blocks=64, compile=False)
-    assert not flashpage.is_patched(dsa)
+def test_llm_runs_a_sparse_indexer_one_sequence_per_forward(dsa: torch.nn.Module) -> None:
+    """The engine's packed steps have no padded mask for the indexer to score under: LLM runs the model one
+    sequence per forward, as generate() does, naming why (exactness: tests/engine/test_llm_sparse_indexer.py)."""
+    llm = flashpage.LLM(dsa, block_size=4, num_blocks=64, compile=False)
+    assert llm.solo_reason is not None and "sparse-attention indexer" in llm.solo_reason
+    assert llm.scheduler.generate_layout and not llm.stats().prefix_caching
+    flashpage.unpatch(dsa)

@@ -174,7 +174,8 @@ def test_paligemma_unpadded_text_prefill_attends_both_ways_as_transformers() -> 
     """PaliGemma's text attention says is_causal=False (use_bidirectional_attention) but is handed causal masks,
     so patch() makes it causal; where transformers skips the mask (an unpadded prompt: attention_mask None) the
     unpatched module attends to every key, both ways. Patched generate() does the same (it was off by ~3e-4 in
-    logprobs: the 'paligemma in LLM' drift), and so does a forward without a cache (training)."""
+    logprobs: the 'paligemma in LLM' drift), and so does a forward without a cache (training). flashpage.LLM
+    computes such a prompt as one span attending both ways (tests/engine/test_llm_images.py test_paligemma_...)."""
     model, _ = BUILDERS["paligemma"]()
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
     inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), pad_token_id=0)
@@ -199,14 +200,19 @@ def test_paligemma_unpadded_text_prefill_attends_both_ways_as_transformers() -> 
     assert not any(m.is_causal for m in text_attention)  # unpatch gives the flag back
 
 
-def test_llm_refuses_paligemma_whose_prompt_attends_both_ways() -> None:
-    """The engine's chunked, prefix-cached causal prefill cannot reproduce transformers' unmasked bidirectional
-    prompt attention (the 'paligemma in LLM' logprob drift): LLM refuses the model before any step, saying why,
-    and leaves it as it was (unpatched)."""
+def test_llm_refuses_a_text_model_whose_unmasked_prompt_attends_both_ways() -> None:
+    """LLM reads a both-ways prompt's span from the masks a vision-language model hands its language model
+    (PaliGemma: tests/engine/test_llm_images.py). A plain causal LM whose sdpa attention says is_causal=False has
+    none to read: refused before any step, saying why, and left as it was (unpatched)."""
+    from model_zoo import tiny_model
+
     from flashpage import LLM
     from flashpage.patches import UnsupportedModelError
 
-    model, _ = BUILDERS["paligemma"]()
-    with pytest.raises(UnsupportedModelError, match="is_causal=False.*both ways.*generate"):
+    model = tiny_model("llama")
+    for name, module in model.named_modules():
+        if name.endswith("self_attn"):
+            module.is_causal = False
+    with pytest.raises(UnsupportedModelError, match="is_causal=False.*both ways.*language_model.*generate"):
         LLM(model, block_size=4, num_blocks=64, compile=False, max_model_len=256)
     assert not flashpage.is_patched(model)

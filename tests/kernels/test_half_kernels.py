@@ -9,7 +9,9 @@ elements). Each runs on the engine's build (-march=native), the portable build (
 and, on x86-64, a -march=native build without AVX-512 BF16 (the widened-FMA linear). The half-precision attention
 kernel is in test_kernels_cpu.py (its hypothesis cases draw bfloat16 / float16 too); its decode tiles that read the
 pages in place (head dims a multiple of 16, value dims of 128: real models' shapes, which those cases do not draw)
-are checked here against the same float64 oracle.
+are checked here against the same float64 oracle, and so are its prefill tiles on long prompts: bfloat16's
+vdpbf16ps path on AVX512_BF16 CPUs (P rounded to bfloat16 before P.V, as flash-attn does: its rounding is in the
+tolerance), the widened float32 copies (float16, the portable mode, shapes that path does not take).
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_kernels_cpu import _check  # its float64 paged-attention oracle and tolerance
+from test_kernels_cpu import _build, _check, _oracle, _tolerance  # its float64 oracle and tolerance
 
 from flashpage.engine import linears
-from flashpage.kernels import cpu_attention, cpu_fused
+from flashpage.kernels import cpp_build, cpu_attention, cpu_fused
 
 pytestmark = [pytest.mark.skipif(cpu_fused.status().name != "cpp", reason="no C++ compiler / ninja here"),
               pytest.mark.usefixtures("one_thread")]
@@ -218,3 +220,126 @@ def test_half_attention_decode_tiles_match_float64(c):
         pytest.skip("no C++ attention kernel here")
     _check(c)
 
+
+
+def _avx512_bf16() -> bool:
+    """Whether this CPU has AVX512_BF16 (the native build then takes the bfloat16 prefill tiles' vdpbf16ps path)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in fh)
+    except OSError:
+        return False
+
+
+def _bf16_prefill_path() -> bool:
+    """Whether the attention kernel's build takes bfloat16 prefill tiles through vdpbf16ps: -march=native on a CPU
+    with AVX512_BF16 (a build with -mno-avx512bf16, or without -march=native, widens them to float32)."""
+    flags = cpp_build.arch_flags()
+    return _avx512_bf16() and "-march=native" in flags and "-mno-avx512bf16" not in flags
+
+
+def _check_prefill(c: dict, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """_check with the tolerance of P rounded to the dtype before P.V (flash-attn's numerics for half inputs,
+    docs/flash-attn-contract.md): each probability p_j is off by at most eps / 2 of itself (round to nearest), the
+    running sum l is taken from the unrounded ones, so a row's output moves by at most eps / 2 * sum_j p_j |v_j| / l
+    <= eps / 2 * max |v| on top of test_kernels_cpu's tolerance (one rounding step of the largest output, plus
+    float32's). flash-attn's own test allows 2x (varlen) the error of the whole computation done in the dtype."""
+    t = _build(c)
+    scale = c["head_dim"] ** -0.5
+    cu = torch.tensor([0, *c["seq_q"]]).cumsum(0)
+    sk = torch.tensor(c["seq_k"], dtype=torch.int32)
+    window = cpu_attention.window_sides(c["causal"], c["window"])
+    torch.set_num_threads(threads)
+    try:
+        out, lse = cpu_attention.paged_attention(t["q"], t["k_pages"], t["v_pages"], t["table"], sk, cu, scale,
+                                                 c["softcap"], window, t["sinks"], generic=c["generic"])
+    finally:
+        torch.set_num_threads(1)
+    ref, ref_lse = _oracle(c, t, scale)
+    p_rounding = _eps(c["dtype"]) / 2 * t["v_pages"].double().abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= _tolerance(ref, c["dtype"]) + p_rounding
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert (out[torch.isinf(ref_lse)] == 0).all()
+    fin = torch.isfinite(ref_lse)
+    assert ((lse.double()[fin] - ref_lse[fin]).abs() / (1 + ref_lse[fin].abs())).max().item() <= 1e-5
+    return out, lse
+
+
+_PREFILL = dict(page=128, head_dim=128, value_dim=128, kv_heads=2, group=2, dtype=torch.bfloat16, causal=True,
+                window=(-1, -1), softcap=0.0, s_aux=False, extra_cols=1, seed=5, generic=False)
+
+
+@st.composite
+def _prefill_batches(draw) -> dict:
+    """Paged-attention cases whose tiles are prefill tiles (16 or more (query, head) rows): long prompts over several
+    pages (page sizes that do and do not divide the 128-key blocks), chunks after cached keys (seqlens_k > query
+    rows), even head dims (not all multiples of 16 or 32: 72, 80) and value dims a multiple of 16: bfloat16's
+    vdpbf16ps path on an AVX512_BF16 build (attention_half.h, bf16_prefill), float16's widened copies."""
+    batch = draw(st.integers(1, 3))
+    seq_q = draw(st.lists(st.sampled_from([8, 16, 33, 130, 300]), min_size=batch, max_size=batch))
+    cached = draw(st.lists(st.sampled_from([0, 0, 1, 77, 256, 300]), min_size=batch, max_size=batch))
+    head_dim = draw(st.sampled_from([64, 128, 72, 80]))
+    return dict(
+        seq_q=seq_q, seq_k=[q + k for q, k in zip(seq_q, cached, strict=True)],
+        page=draw(st.sampled_from([16, 48, 128])), head_dim=head_dim,
+        value_dim=draw(st.sampled_from([head_dim, head_dim, 48, 128])), kv_heads=draw(st.sampled_from([1, 2])),
+        group=draw(st.sampled_from([1, 2, 4])), dtype=draw(st.sampled_from([torch.bfloat16] * 3 + [torch.float16])),
+        causal=draw(st.booleans()), window=draw(st.sampled_from([(-1, -1), (-1, -1), (100, 0), (5, 5), (-1, 3)])),
+        softcap=draw(st.sampled_from([0.0, 0.0, 30.0])), s_aux=draw(st.booleans()),
+        extra_cols=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**16)), generic=False,
+    )
+
+
+@settings(deadline=None, max_examples=40, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(c=_prefill_batches())
+def test_half_attention_prefill_tiles_match_float64(c):
+    """Prefill tiles against the float64 oracle, with P's rounding in the tolerance (_check_prefill)."""
+    if cpu_attention.status().name != "cpp":
+        pytest.skip("no C++ attention kernel here")
+    _check_prefill(c)
+
+
+@pytest.mark.parametrize("case", [
+    dict(seq_q=[700], seq_k=[700]),                                   # a long prompt over six pages
+    dict(seq_q=[300, 58, 58], seq_k=[1100, 570, 570], group=4),       # chunks after cached keys, GQA 4
+    dict(seq_q=[260], seq_k=[260], group=1, head_dim=64, value_dim=64, page=16),
+    dict(seq_q=[200], seq_k=[450], head_dim=80, value_dim=80, window=(64, 0), s_aux=True),  # 80: not % 32
+    dict(seq_q=[100], seq_k=[100], head_dim=72, value_dim=64, group=1, page=16, extra_cols=2),  # 72: not % 16
+    dict(seq_q=[150], seq_k=[150], softcap=30.0, causal=False, page=48),
+])
+def test_bf16_prefill_long_prompts(case):
+    """Long bfloat16 prompts (16 heads' shapes scaled down) on both the vdpbf16ps tiles and the widened copies
+    (generic: the portable mode): each within the tolerance; on an AVX512_BF16 CPU they differ (P rounded)."""
+    if cpu_attention.status().name != "cpp":
+        pytest.skip("no C++ attention kernel here")
+    c = dict(_PREFILL, **case)
+    new, new_lse = _check_prefill(c)
+    old, _ = _check_prefill(dict(c, generic=True))
+    assert torch.equal(new, old) != _bf16_prefill_path()
+
+
+@pytest.mark.parametrize("case", [
+    dict(head_dim=33, value_dim=33),             # an odd head dim: no bfloat16 pairs
+    dict(head_dim=64, value_dim=40),             # a value dim not a multiple of 16
+    dict(dtype=torch.float16),                   # float16: the widened copies on every build
+])
+def test_half_prefill_falls_back_to_widened_copies(case):
+    """Prefill tiles the vdpbf16ps path does not take give the widened copies' bits exactly (the portable mode's)."""
+    if cpu_attention.status().name != "cpp":
+        pytest.skip("no C++ attention kernel here")
+    c = dict(_PREFILL, seq_q=[90, 40], seq_k=[200, 40], **case)
+    new, _ = _check_prefill(c)
+    old, _ = _check_prefill(dict(c, generic=True))
+    assert torch.equal(new, old)
+
+
+def test_bf16_prefill_bits_do_not_depend_on_the_tile():
+    """The vdpbf16ps tiles take up to 128 query rows where that leaves 4 tasks per thread (130 rows, 2 KV heads: 128
+    on one thread, 32 on two); key blocks are fixed and each row's sums its own, so the bits are the same."""
+    if cpu_attention.status().name != "cpp":
+        pytest.skip("no C++ attention kernel here")
+    c = dict(_PREFILL, seq_q=[130], seq_k=[400], window=(150, 0), s_aux=True)
+    out1, lse1 = _check_prefill(c)
+    out2, lse2 = _check_prefill(c, threads=2)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)

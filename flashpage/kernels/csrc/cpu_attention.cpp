@@ -1169,10 +1169,11 @@ struct Task {
   bool decode;                // fast::attend_decode (h0 .. h1-1 together); else one attend_tile, h1 = h0 + 1
 };
 
-// The tasks: query tiles of kQueryTile rows, one per KV head; a decode tile (float32 AVX-512) covers all the KV
+// The tasks: query tiles of `tile` rows (kQueryTile; bfloat16's vdpbf16ps prefill tiles take larger ones, see
+// half_attention::query_tile), one per KV head; a decode tile (float32 AVX-512) covers all the KV
 // heads in one task, unless there are fewer decode tiles than threads (then one task per head again).
 template <typename T>
-std::vector<Task> plan_tasks(const Args<T>& a, int64_t batch, bool fast) {
+std::vector<Task> plan_tasks(const Args<T>& a, int64_t batch, bool fast, int64_t tile = kQueryTile) {
   int64_t decode_tiles = 0;
   for (int64_t b = 0; b < batch && fast; ++b)
     for (int64_t i = 0; i < a.cu_q[b + 1] - a.cu_q[b]; i += kQueryTile)
@@ -1180,8 +1181,8 @@ std::vector<Task> plan_tasks(const Args<T>& a, int64_t batch, bool fast) {
   const int64_t heads_per_decode = decode_tiles < at::get_num_threads() ? 1 : a.kv_heads;
   std::vector<Task> tasks;
   for (int64_t b = 0; b < batch; ++b)
-    for (int64_t i0 = 0; i0 < a.cu_q[b + 1] - a.cu_q[b]; i0 += kQueryTile) {
-      const int64_t i1 = std::min(i0 + kQueryTile, a.cu_q[b + 1] - a.cu_q[b]);
+    for (int64_t i0 = 0; i0 < a.cu_q[b + 1] - a.cu_q[b]; i0 += tile) {
+      const int64_t i1 = std::min(i0 + tile, a.cu_q[b + 1] - a.cu_q[b]);
       const bool decode = fast && i1 - i0 <= kDecodeRows;
       const int64_t step = decode ? heads_per_decode : 1;
       for (int64_t h0 = 0; h0 < a.kv_heads; h0 += step)
@@ -1245,11 +1246,14 @@ void run(const Args<T>& a, int64_t batch, int64_t mode) {
 }  // namespace
 
 // The bfloat16 / float16 call (attention_half.h): the tensors' pointers and strides, then half_attention::run.
+// mode 1 (the portable loops) keeps bfloat16 prefill tiles on the widened float32 copies, as builds without
+// AVX512_BF16 run them (the tests compare both; the bench's old / new switch).
 template <typename S>
 void run_half(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages, at::Tensor& out,
               at::Tensor& lse, const at::Tensor& table, const at::Tensor& lens, const at::Tensor& cu,
-              const at::Tensor& sink_t, double factor, double softcap, int64_t left, int64_t right) {
+              const at::Tensor& sink_t, double factor, double softcap, int64_t left, int64_t right, int64_t mode) {
   half_attention::HalfArgs<S> h;
+  h.generic = mode == 1;
   h.q = q.data_ptr<S>(); h.k = k_pages.data_ptr<S>(); h.v = v_pages.data_ptr<S>(); h.out = out.data_ptr<S>();
   Args<float>& a = h.f;
   a.q = nullptr; a.k = nullptr; a.v = nullptr; a.out = nullptr;
@@ -1301,9 +1305,10 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
   if (sinks.has_value() && sinks->defined()) sink_t = sinks->to(lse.scalar_type()).contiguous();
   if (half) {
     if (q.scalar_type() == at::kBFloat16)
-      run_half<c10::BFloat16>(q, k_pages, v_pages, out, lse, table, lens, cu, sink_t, factor, softcap, left, right);
+      run_half<c10::BFloat16>(q, k_pages, v_pages, out, lse, table, lens, cu, sink_t, factor, softcap, left, right,
+                              mode);
     else
-      run_half<c10::Half>(q, k_pages, v_pages, out, lse, table, lens, cu, sink_t, factor, softcap, left, right);
+      run_half<c10::Half>(q, k_pages, v_pages, out, lse, table, lens, cu, sink_t, factor, softcap, left, right, mode);
     return {out, lse};
   }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "paged_attention", [&] {

@@ -407,7 +407,25 @@ def image_refusal(model: Any) -> str | None:
                 "with model.generate() may still be exact for it (docs/models.md)")
     if _language_model(model) is None:
         return "no language_model submodule to take the merged embeddings from"
-    return None
+    return _placeholder_refusal(model)
+
+
+def _placeholder_refusal(model: Any) -> str | None:
+    """Gemma 4's forward, given ``inputs_embeds`` (what the engine's steps with image rows feed it), finds its
+    image / video / audio placeholders by looking each placeholder id up in its embedding table: an id outside the
+    table (a config whose vocabulary was cut, not a published one) would fail inside the step, so it is refused
+    when the request is added."""
+    if not _per_layer(model):
+        return None
+    rows = model.get_input_embeddings().num_embeddings
+    outside = {name: getattr(model.config, name) for name in ("image_token_id", "video_token_id", "audio_token_id")
+               if isinstance(getattr(model.config, name, None), int) and getattr(model.config, name) >= rows}
+    if not outside:
+        return None
+    ids = ", ".join(f"{k}={v}" for k, v in outside.items())
+    return (f"its config's {ids} lie outside its {rows}-row embedding table, and with images its forward on the "
+            "engine's inputs_embeds looks every placeholder id up in that table; give the config placeholder ids "
+            "inside the vocabulary (published checkpoints have them there)")
 
 
 def both_ways_refusal(model: Any) -> str | None:

@@ -332,6 +332,27 @@ def test_text_model_refuses_images() -> None:
         flashpage.unpatch(model)
 
 
+def test_gemma4_placeholder_ids_outside_the_vocabulary_refused_at_add() -> None:
+    """Gemma 4's forward on inputs_embeds (the engine's image steps) looks its video / audio placeholder ids up in
+    the embedding table: a config with them outside it (the zoo's tiny vocabulary) is refused when the image request
+    is added, naming the ids, instead of failing inside a step; a text request accepted before still finishes."""
+    model, processor = tiny_gemma4()
+    assert model.config.video_token_id >= model.get_input_embeddings().num_embeddings
+    llm = LLM(model, processor=processor, block_size=4, num_blocks=64, max_model_len=96,
+              max_num_batched_tokens=96)
+    try:
+        llm.add_request([5, 6, 7], GREEDY, request_id="text")
+        with pytest.raises(ValueError, match="video_token_id=.*outside its 4112-row embedding table"):
+            llm.add_request({"prompt": "<|image|> what is it", "multi_modal_data": {"image": tiny_image(0)}}, GREEDY,
+                            request_id="image")
+        done = {}
+        while llm.has_unfinished_requests():
+            done.update({out.request_id: out for out in llm.step() if out.finished})
+        assert list(done) == ["text"] and len(done["text"].outputs[0].token_ids) == GREEDY.max_tokens
+    finally:
+        flashpage.unpatch(model)
+
+
 def test_weight_change_encodes_unfinished_requests_images_again(llava) -> None:
     """Weights changed in place while an image request is half-way through its prefill: its KV is dropped (as for
     any request) and its image embeddings come from the new weights too, so it equals generate() with them."""

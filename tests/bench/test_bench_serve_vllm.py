@@ -4,6 +4,8 @@ given in FLASHPAGE_TEST_VLLM_PYTHON) one real side-by-side run."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -182,3 +184,19 @@ def test_real_serve_run_against_vllm(capsys):
                           "--quick", "--rounds", "1", "--request-rates", "inf")
     assert code == 0, err[-3000:]
     assert "greedy outputs identical: True" in out and "fp / vLLM" in out
+
+
+def test_a_half_checkpoint_with_long_positions_is_served_in_its_dtype_within_the_pool(tmp_path: Path):
+    """A published config (bfloat16, 40960 positions): both servers run bfloat16 with a pool of bfloat16 bytes, and
+    max_model_len is what the pool holds for one request (vLLM refuses a longer one over this pool)."""
+    config = json.loads((tiny_model_path() / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16",
+                                                      "max_position_embeddings": 40960}))
+    settings = Settings(block_size=64)
+    assert vs.checkpoint_dtype(str(tmp_path)) == "bfloat16" and vs.checkpoint_dtype(str(tiny_model_path())) == \
+        "float32"
+    half = dataclasses.replace(settings, dtype="bfloat16")
+    assert 2 * vs.kv_pool_bytes(str(tmp_path), half, 4, 16) == vs.kv_pool_bytes(str(tmp_path), settings, 4, 16)
+    longest = vs.max_model_len(str(tmp_path), half, 16)
+    assert longest % 64 == 0 and vs.PROMPT_TOKENS_BOUND + 16 <= longest < 1024
+    assert vs.max_model_len(str(tiny_model_path()), half, 4096) == config["max_position_embeddings"]

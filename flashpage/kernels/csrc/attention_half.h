@@ -439,12 +439,8 @@ inline void tile(const HalfArgs<c10::BFloat16>& h, int64_t b, int64_t hk, int64_
       round_p(s, kKeyBlock, nr, u0, u1, pp.data(), ldp);
       for (int64_t g0 = 0; g0 < nr; g0 += 4) {  // P.V over the union of 4 rows' keys
         const int64_t ng = std::min<int64_t>(4, nr - g0);
-        int64_t v0 = n, v1 = 0;
-        for (int64_t r = g0; r < g0 + ng; ++r)
-          if (span[2 * r] < span[2 * r + 1]) {
-            v0 = std::min(v0, span[2 * r]);
-            v1 = std::max(v1, span[2 * r + 1]);
-          }
+        int64_t v0, v1;
+        fast::key_union(span, g0, ng, n, v0, v1);
         if (v0 < v1)
           pv_up_to4(w.acc.data() + (r0 + g0) * dv, dv, pp.data() + g0 * ldp, ldp, vp.data(), v0 / 2, (v1 + 1) / 2,
                     ng);

@@ -797,6 +797,18 @@ inline void softmax_up_to8(Work<float>& w, int64_t r0, int64_t dv, float* s, int
   }
 }
 
+// [v0, v1): the union of rows r0 .. r0+nr-1's visible key spans [span[2r], span[2r + 1]) (v0 >= v1: none), what a
+// P.V pass over those rows together reads.
+inline void key_union(const int64_t* span, int64_t r0, int64_t nr, int64_t n, int64_t& v0, int64_t& v1) {
+  v0 = n;
+  v1 = 0;
+  for (int64_t r = r0; r < r0 + nr; ++r)
+    if (span[2 * r] < span[2 * r + 1]) {
+      v0 = std::min(v0, span[2 * r]);
+      v1 = std::max(v1, span[2 * r + 1]);
+    }
+}
+
 // The largest of s[s0, s1) (-inf when empty).
 inline float row_max(const float* s, int64_t s0, int64_t s1) {
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -860,12 +872,8 @@ inline void prefill_keys(const Args<float>& a, int64_t b, int64_t hk, int64_t lo
       softmax_up_to8(w, r0, dv, s, kKeyBlock, u0, u1, span, rmax, nr);
       for (int64_t h0 = 0; h0 < nr; h0 += 4) {
         const int64_t nh = std::min<int64_t>(4, nr - h0);
-        int64_t v0 = n, v1 = 0;
-        for (int64_t r = h0; r < h0 + nh; ++r)
-          if (span[2 * r] < span[2 * r + 1]) {
-            v0 = std::min(v0, span[2 * r]);
-            v1 = std::max(v1, span[2 * r + 1]);
-          }
+        int64_t v0, v1;
+        key_union(span, h0, nh, n, v0, v1);
         if (v0 < v1) pv_ptr_up_to4(w.acc.data() + (r0 + h0) * dv, dv, s + h0 * kKeyBlock, kKeyBlock, vrow, v0, v1, nh);
       }
     }

@@ -248,15 +248,17 @@ def test_readme_tensor_parallel_example_runs(tmp_path: Path) -> None:
     assert block, "docs/tensor-parallel.md has no Tensor parallel python block"
     script = tmp_path / "tp.py"
     script.write_text(block.group(1), encoding="utf-8")
+    # each rank's stdout to its own file (--redirects 1): the two ranks' prints into one pipe interleave
+    # ("10 1 536870912 ..." was rank 1's "1" inside rank 0's line)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(script)]
+           "--master-port", str(_free_port()), "--log-dir", str(tmp_path / "logs"), "--redirects", "1", str(script)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLASHPAGE_TP_TIMEOUT_S": "90"}
-    env.pop("PYTHONUNBUFFERED", None)  # (CI sets it) each print's pieces would be separate writes, interleaved
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    stdout = "\n".join(f.read_text() for f in sorted((tmp_path / "logs").rglob("stdout.log")))
     # each rank prints "rank kv_heads kv_bytes text"; the sampled text may hold newlines (a line "1 to ...")
-    lines = sorted(line.split(" ", 3) for line in proc.stdout.splitlines() if re.match(r"[01] \d+ \d+ ", line))
-    assert [rank for rank, *_ in lines] == ["0", "1"], f"stdout: {proc.stdout!r}\nstderr: {proc.stderr[-2000:]}"
+    lines = sorted(line.split(" ", 3) for line in stdout.splitlines() if re.match(r"[01] \d+ \d+ ", line))
+    assert [rank for rank, *_ in lines] == ["0", "1"], f"stdout: {stdout!r}\nstderr: {proc.stderr[-2000:]}"
     (_, heads0, bytes0, text0), (_, heads1, bytes1, text1) = lines
     assert heads0 == heads1 == "1" and bytes0 == bytes1 and text0 == text1
 

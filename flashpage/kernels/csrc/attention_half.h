@@ -394,18 +394,9 @@ inline void tile(const HalfArgs<c10::BFloat16>& h, int64_t b, int64_t hk, int64_
   const float factor = a.softcap > 0 ? a.factor : a.factor * fast::kLog2e, softcap2 = a.softcap * fast::kLog2e;
   int64_t lo, hi;
   tile_keys(a, b, i0, i1, lo, hi);
-  const int64_t* table = a.table + b * a.table_b;
   for (int64_t j0 = lo; j0 < hi;) {
     const int64_t j1 = std::min(hi, (j0 / kKeyBlock + 1) * kKeyBlock), n = j1 - j0, ldk = (n + 31) / 32 * 32;
-    for (int64_t j = j0; j < j1;) {  // the block's K / V row pointers (it may span several pages)
-      const int64_t p = j / a.page, blk = table[p], end = std::min(j1, (p + 1) * a.page);
-      const c10::BFloat16* k = h.k + blk * a.k_b + hk * a.k_h + (j - p * a.page) * a.k_p;
-      const c10::BFloat16* v = h.v + blk * a.v_b + hk * a.v_h + (j - p * a.page) * a.v_p;
-      for (; j < end; ++j, k += a.k_p, v += a.v_p) {
-        krow[j - j0] = k;
-        vrow[j - j0] = v;
-      }
-    }
+    fast::block_rows(a, h.k, h.v, b, hk, j0, j1, krow, vrow);  // the block's K / V rows (across pages)
     fast::transpose_keys(reinterpret_cast<const float* const*>(krow), n, dp, reinterpret_cast<float*>(kt.data()),
                          ldk);
     pack_values(vrow, n, dv, vp.data());

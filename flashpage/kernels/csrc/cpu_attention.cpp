@@ -562,17 +562,23 @@ void pv_rows(float* o, int64_t dv, const float* p, int64_t ldp, Rows v, int64_t 
   }
 }
 
+// [v0, v1): the union of rows r0 .. r0+nr-1's visible key spans [span[2r], span[2r + 1]) (v0 >= v1: none), what a
+// P.V pass over those rows together reads.
+inline void key_union(const int64_t* span, int64_t r0, int64_t nr, int64_t n, int64_t& v0, int64_t& v1) {
+  v0 = n;
+  v1 = 0;
+  for (int64_t r = r0; r < r0 + nr; ++r)
+    if (span[2 * r] < span[2 * r + 1]) {
+      v0 = std::min(v0, span[2 * r]);
+      v1 = std::max(v1, span[2 * r + 1]);
+    }
+}
+
 // [u0, u1): the union of rows r0 .. r0+nr-1's visible keys in the page (span[2r], span[2r+1]; empty:
 // u0 >= u1). Inside it, each row's scores (s, rows of n) outside its own span are zeroed, so P.V can
 // run over the union for all of them.
 inline void union_span(const int64_t* span, float* s, int64_t n, int64_t r0, int64_t nr, int64_t& u0, int64_t& u1) {
-  u0 = n;
-  u1 = 0;
-  for (int64_t r = r0; r < r0 + nr; ++r)
-    if (span[2 * r] < span[2 * r + 1]) {
-      u0 = std::min(u0, span[2 * r]);
-      u1 = std::max(u1, span[2 * r + 1]);
-    }
+  key_union(span, r0, nr, n, u0, u1);
   for (int64_t r = r0; r < r0 + nr && u0 < u1; ++r) {
     float* srow = s + r * n;
     const int64_t s0 = std::max(u0, std::min(span[2 * r], u1)), s1 = std::max(s0, span[2 * r + 1]);
@@ -705,14 +711,16 @@ constexpr int64_t kKeyBlock = 128;  // keys prefill_tile scores at once, across 
 constexpr int64_t kRowBlock = 8;    // rows it scores, normalises and multiplies by V together
 
 // A key block [j0, j1) of sequence b, KV head hk, as row pointers: key j - j0 at krow[j - j0], its value at
-// vrow[j - j0] (the block may span several pages).
-inline void block_rows(const Args<float>& a, int64_t b, int64_t hk, int64_t j0, int64_t j1, const float** krow,
-                       const float** vrow) {
+// vrow[j - j0] (the block may span several pages). The pages' base pointers k / v are a's (float32) or the
+// half call's (attention_half.h), with a's strides.
+template <typename T>
+inline void block_rows(const Args<float>& a, const T* k_pages, const T* v_pages, int64_t b, int64_t hk, int64_t j0,
+                       int64_t j1, const T** krow, const T** vrow) {
   const int64_t* table = a.table + b * a.table_b;
   for (int64_t j = j0; j < j1;) {
     const int64_t p = j / a.page, blk = table[p], end = std::min(j1, (p + 1) * a.page);
-    const float* k = a.k + blk * a.k_b + hk * a.k_h + (j - p * a.page) * a.k_p;
-    const float* v = a.v + blk * a.v_b + hk * a.v_h + (j - p * a.page) * a.v_p;
+    const T* k = k_pages + blk * a.k_b + hk * a.k_h + (j - p * a.page) * a.k_p;
+    const T* v = v_pages + blk * a.v_b + hk * a.v_h + (j - p * a.page) * a.v_p;
     for (; j < end; ++j, k += a.k_p, v += a.v_p) {
       krow[j - j0] = k;
       vrow[j - j0] = v;
@@ -797,18 +805,6 @@ inline void softmax_up_to8(Work<float>& w, int64_t r0, int64_t dv, float* s, int
   }
 }
 
-// [v0, v1): the union of rows r0 .. r0+nr-1's visible key spans [span[2r], span[2r + 1]) (v0 >= v1: none), what a
-// P.V pass over those rows together reads.
-inline void key_union(const int64_t* span, int64_t r0, int64_t nr, int64_t n, int64_t& v0, int64_t& v1) {
-  v0 = n;
-  v1 = 0;
-  for (int64_t r = r0; r < r0 + nr; ++r)
-    if (span[2 * r] < span[2 * r + 1]) {
-      v0 = std::min(v0, span[2 * r]);
-      v1 = std::max(v1, span[2 * r + 1]);
-    }
-}
-
 // The largest of s[s0, s1) (-inf when empty).
 inline float row_max(const float* s, int64_t s0, int64_t s1) {
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -843,7 +839,7 @@ inline void prefill_keys(const Args<float>& a, int64_t b, int64_t hk, int64_t lo
   int64_t* span = w.span.data();
   for (int64_t j0 = lo; j0 < hi;) {
     const int64_t j1 = std::min(hi, (j0 / kKeyBlock + 1) * kKeyBlock), n = j1 - j0, ldk = (n + 31) / 32 * 32;
-    block_rows(a, b, hk, j0, j1, krow, vrow);
+    block_rows(a, a.k, a.v, b, hk, j0, j1, krow, vrow);
     transpose_keys(krow, n, d, kt.data(), ldk);
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
       const int64_t nr = std::min(kRowBlock, rows - r0);

@@ -156,7 +156,7 @@ LLM_WIDE_BUDGET = 2048  # where a prompt or a two-way span must be computed in o
 LLM_BLOCK = 4
 
 
-def _prompt_alone(batch: dict[str, Any], i: int) -> tuple[list[int], dict[str, Any]]:
+def prompt_alone(batch: dict[str, Any], i: int) -> tuple[list[int], dict[str, Any]]:
     """Row ``i`` of a left-padded sweep batch alone: its unpadded ids and its image tensors (M-RoPE models'
     flattened patches split by ``image_grid_thw``, per-token tensors unpadded, the others sliced)."""
     import torch
@@ -283,7 +283,7 @@ def check_llm(model: Any, batch: dict[str, Any]) -> tuple[sm.PathResult, str]:
 
     moved = _placeholders_in_vocab(model, batch)
     note = f"placeholder ids moved inside the tiny vocabulary for LLM: {', '.join(moved)}" if moved else ""
-    rows = [_prompt_alone(batch, i) for i in range(batch["input_ids"].shape[0])]
+    rows = [prompt_alone(batch, i) for i in range(batch["input_ids"].shape[0])]
     refs = [_alone(model, ids, tensors) for ids, tensors in rows]
     requests = [{"prompt_token_ids": ids, "multi_modal_data": {"image": tensors}} for ids, tensors in rows]
     max_len = max(len(ids) for ids, _ in rows) + MAX_NEW_TOKENS + 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sweep_vlm import prompt_alone
 from vlm_zoo import NotBuildable, sweep_image_case, tiny_gemma3, tiny_gemma4, tiny_image, tiny_llava, tiny_paligemma
 
 import flashpage
@@ -184,7 +185,7 @@ def _case_requests(case) -> tuple[list[dict], list]:
     reqs, refs = [], []
     for batch in (case.inputs, case.other):
         for row in range(2):
-            ids, tensors = _row(batch, row)
+            ids, tensors = prompt_alone(batch, row)
             refs.append(_oracle(case.model, {"input_ids": torch.tensor([ids]), **tensors}, max_new=MAX_NEW))
             reqs.append({"prompt_token_ids": ids, "multi_modal_data": {"image": tensors}})
     assert refs[0][0] != refs[2][0] or float((refs[0][1][0] - refs[2][1][0]).abs().max()) > 1e-3  # images matter
@@ -228,25 +229,6 @@ def test_mrope_image_types_split_and_preempted(model_type: str) -> None:
             _assert_exact(out, ref)
     finally:
         flashpage.unpatch(model)
-
-
-def _row(batch: dict, i: int) -> tuple[list[int], dict]:
-    """Row ``i`` of a left-padded sweep batch: its unpadded ids and image tensors (M-RoPE models' flattened patches
-    split by image_grid_thw, per-token tensors unpadded)."""
-    mask = batch["attention_mask"][i].bool()
-    ids = batch["input_ids"][i][mask].tolist()
-    tensors = {}
-    for k, v in batch.items():
-        if k in ("input_ids", "attention_mask") or not isinstance(v, torch.Tensor):
-            continue
-        if k == "pixel_values" and "image_grid_thw" in batch:
-            sizes = batch["image_grid_thw"].prod(-1).tolist()
-            tensors[k] = v[sum(sizes[:i]):sum(sizes[:i + 1])]
-        elif v.shape == batch["input_ids"].shape:
-            tensors[k] = v[i][mask][None]
-        else:
-            tensors[k] = v[i:i + 1]
-    return ids, tensors
 
 
 def _gemma4(shared_kv_layers: int = 0):

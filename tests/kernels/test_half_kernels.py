@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_kernels_cpu import _build, _check, _oracle, _tolerance  # its float64 oracle and tolerance
+from test_kernels_cpu import _check, _run, _tolerance  # its float64 oracle and tolerance
 
 from flashpage.engine import linears
 from flashpage.kernels import cpp_build, cpu_attention, cpu_fused
@@ -244,18 +244,7 @@ def _check_prefill(c: dict, threads: int = 1) -> tuple[torch.Tensor, torch.Tenso
     running sum l is taken from the unrounded ones, so a row's output moves by at most eps / 2 * sum_j p_j |v_j| / l
     <= eps / 2 * max |v| on top of test_kernels_cpu's tolerance (one rounding step of the largest output, plus
     float32's). flash-attn's own test allows 2x (varlen) the error of the whole computation done in the dtype."""
-    t = _build(c)
-    scale = c["head_dim"] ** -0.5
-    cu = torch.tensor([0, *c["seq_q"]]).cumsum(0)
-    sk = torch.tensor(c["seq_k"], dtype=torch.int32)
-    window = cpu_attention.window_sides(c["causal"], c["window"])
-    torch.set_num_threads(threads)
-    try:
-        out, lse = cpu_attention.paged_attention(t["q"], t["k_pages"], t["v_pages"], t["table"], sk, cu, scale,
-                                                 c["softcap"], window, t["sinks"], generic=c["generic"])
-    finally:
-        torch.set_num_threads(1)
-    ref, ref_lse = _oracle(c, t, scale)
+    t, out, lse, ref, ref_lse = _run(c, threads)
     p_rounding = _eps(c["dtype"]) / 2 * t["v_pages"].double().abs().max().item()
     assert (out.double() - ref).abs().max().item() <= _tolerance(ref, c["dtype"]) + p_rounding
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))

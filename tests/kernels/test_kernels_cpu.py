@@ -136,8 +136,8 @@ def test_kernel_matches_oracle(c: dict):
         assert ((lse.double()[fin] - ref_lse[fin]).abs() / (1 + ref_lse[fin].abs())).max().item() <= 1e-5
 
 
-def _check(c: dict, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run config ``c`` on ``threads`` threads, check it against the oracle; returns (out, lse)."""
+def _run(c: dict, threads: int = 1) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run config ``c`` on ``threads`` threads: (its tensors, out, lse, the oracle's out, the oracle's lse)."""
     t = _build(c)
     scale = c["head_dim"] ** -0.5
     cu = torch.tensor([0, *c["seq_q"]]).cumsum(0)
@@ -151,6 +151,12 @@ def _check(c: dict, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     finally:
         torch.set_num_threads(1)
     ref, ref_lse = _oracle(c, t, scale)
+    return t, out, lse, ref, ref_lse
+
+
+def _check(c: dict, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run config ``c`` on ``threads`` threads, check it against the oracle; returns (out, lse)."""
+    _, out, lse, ref, ref_lse = _run(c, threads)
     assert (out.double() - ref).abs().max().item() <= _tolerance(ref, c["dtype"])
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     fin = torch.isfinite(ref_lse)

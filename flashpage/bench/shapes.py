@@ -8,8 +8,9 @@ settings and sliding-window layouts without downloading anything:
 - :func:`shape_config` gives the transformers config (optionally with fewer layers);
 - :func:`count_parameters` counts its parameters on the ``meta`` device (no memory);
 - :func:`build_shape` builds the model with seeded random weights;
-- :func:`saved_shape` builds it once and saves it (model + the built-in tiny model's tokenizer) to a
-  cache folder that ``flashpage.LLM(path)`` and vLLM both load.
+- :func:`saved_shape` builds it once and saves it (model + the built-in tiny model's tokenizer, its
+  vocabulary filled up to the shape's: :func:`covering_tokenizer`) to a cache folder that
+  ``flashpage.LLM(path)`` and vLLM both load.
 
 Weights: every matrix (embeddings, projections, experts, routers) is drawn from N(0, initializer_range)
 in float32 from one seeded generator, in chunks, then cast to the model's dtype, so the same seed gives
@@ -201,15 +202,73 @@ def cache_root() -> Path:
     return Path(root).expanduser() if root else Path.home() / ".cache" / "flashpage" / "shapes"
 
 
-def _save_tokenizer(folder: Path, vocab_size: int) -> None:
-    """The built-in tiny model's tokenizer, when its ids all fit the shape's vocabulary."""
-    from transformers import AutoTokenizer
+TOKENIZER_FILE = "tokenizer.json"
+_LETTERS = "etaoinsrhldcumfpgwybvkxjqz"  # byte-level BPE vocabulary strings of plain letters decode to themselves
 
+
+def _filler(index: int) -> str:
+    """A word for vocabulary slot ``index`` beyond the tiny tokenizer's: 'Ġ' (a leading space) + 3-6 letters."""
+    letters = []
+    n = index
+    while True:
+        n, r = divmod(n, len(_LETTERS))
+        letters.append(_LETTERS[r])
+        if n == 0 and len(letters) >= 3:
+            return "\u0120" + "".join(letters)
+
+
+def covering_tokenizer(vocab_size: int) -> dict[str, Any]:
+    """The built-in tiny model's ``tokenizer.json`` with its BPE vocabulary filled up to ``vocab_size`` ids.
+
+    The tiny tokenizer has 4096 ids; a real shape's model generates ids up to its vocabulary (151,936 for
+    Qwen3), which would decode to nothing, so a server would stream empty chunks and a serving bench could time
+    no token. Each id beyond 4096 gets a vocabulary entry of its own: a space and 3-6 letters (" eta", " xqzo"),
+    distinct from every other entry. No merge produces these entries, so encoding text is unchanged: the same
+    prompt gives the same ids as the tiny tokenizer; only decoding the new ids changes.
+    """
     from flashpage import tiny_model_path
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path()))
-    if len(tokenizer) <= vocab_size:
-        tokenizer.save_pretrained(str(folder))
+    data = json.loads((tiny_model_path() / TOKENIZER_FILE).read_text())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    taken = set(vocab) | {t["content"] for t in data.get("added_tokens", [])}
+    used_ids = set(vocab.values()) | {int(t["id"]) for t in data.get("added_tokens", [])}
+    index = 0
+    for token_id in range(vocab_size):
+        if token_id in used_ids:
+            continue
+        word = _filler(index)
+        while word in taken:
+            index += 1
+            word = _filler(index)
+        vocab[word] = token_id
+        taken.add(word)
+        index += 1
+    return data
+
+
+def _covers(folder: Path, vocab_size: int) -> bool:
+    path = folder / TOKENIZER_FILE
+    if not path.is_file():
+        return False
+    data = json.loads(path.read_text())
+    ids = set(data["model"]["vocab"].values()) | {int(t["id"]) for t in data.get("added_tokens", [])}
+    return len(ids) >= vocab_size
+
+
+def _save_tokenizer(folder: Path, vocab_size: int) -> None:
+    """The built-in tiny model's tokenizer, filled up to the shape's vocabulary (:func:`covering_tokenizer`);
+    written to a temporary file and renamed into place (a cache folder saved before the filling is updated)."""
+    from flashpage import tiny_model_path
+
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        source = tiny_model_path() / name
+        if source.is_file() and not (folder / name).is_file():
+            shutil.copyfile(source, folder / name)
+    fd, tmp = tempfile.mkstemp(prefix=".tokenizer-", dir=folder)
+    with os.fdopen(fd, "w") as f:
+        json.dump(covering_tokenizer(vocab_size), f, ensure_ascii=False)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, folder / TOKENIZER_FILE)
 
 
 def saved_shape(name: str, dtype: torch.dtype | str = torch.bfloat16, num_layers: int | None = None) -> Path:
@@ -220,6 +279,9 @@ def saved_shape(name: str, dtype: torch.dtype | str = torch.bfloat16, num_layers
     root = cache_root()
     target = root / f"{name}-{text}-{layers}l"
     if (target / "config.json").is_file():
+        vocab_size = int(json.loads((target / "config.json").read_text())["vocab_size"])
+        if not _covers(target, vocab_size):
+            _save_tokenizer(target, vocab_size)
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))

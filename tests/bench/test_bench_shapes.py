@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from flashpage import tiny_model_path
 from flashpage.bench import shapes
 from flashpage.cli import main
 
@@ -86,7 +87,13 @@ def test_saved_shape_round_trips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     path = shapes.saved_shape(NAME, "bfloat16", num_layers=1)
     assert path == tmp_path / f"{NAME}-bfloat16-1l"
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # the temporary folder was renamed
-    assert len(AutoTokenizer.from_pretrained(str(path))) <= 151936
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    assert len(tokenizer) == 151936  # every id the model can generate decodes to text
+    tiny = AutoTokenizer.from_pretrained(str(tiny_model_path()))
+    text = "The list module returns a new value, h\u00e9llo w\u00f6rld 123!"
+    assert tokenizer(text).input_ids == tiny(text).input_ids  # encoding unchanged
+    words = [tokenizer.decode([i]) for i in (4096, 100000, 151935)]
+    assert all(w.startswith(" ") and w[1:].isalpha() for w in words) and len(set(words)) == 3
     loaded = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
     built = shapes.build_shape(NAME, torch.bfloat16, num_layers=1)
     ids = torch.randint(3, 4096, (1, 12), generator=torch.Generator().manual_seed(5))
@@ -98,6 +105,10 @@ def test_saved_shape_round_trips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(shapes, "build_shape", no_rebuild)
     assert shapes.saved_shape(NAME, torch.bfloat16, num_layers=1) == path
+    tiny.save_pretrained(str(path))  # a folder cached before the vocabulary was filled: updated in place
+    assert len(AutoTokenizer.from_pretrained(str(path))) == 4096
+    assert shapes.saved_shape(NAME, torch.bfloat16, num_layers=1) == path
+    assert len(AutoTokenizer.from_pretrained(str(path))) == 151936
     info = shapes.describe(NAME, "bfloat16", 1)
     assert info["parameters"] == sum(p.numel() for p in loaded.parameters())
     assert shapes.header_line(info).startswith(f"shape: {NAME} (Qwen/Qwen3-0.6B config, qwen3, random weights), "

@@ -268,8 +268,7 @@ class BlockManager:
         seq.num_tokens = end
         for i in range(start // bs, end // bs):
             self._register(seq, i)
-        table = seq.blocks
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+        return slot_list(seq.blocks, bs, start, end)
 
     def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
         """New blocks ``append(seq_id, num_tokens)`` would take (copy-on-write included)."""
@@ -444,3 +443,15 @@ class BlockManager:
         for src, dst in self._copies:
             if not (0 <= src < n and 0 <= dst < n) or src == dst or self._blocks[dst].ref_count == 0:
                 fail(f"pending copy {src} -> {dst} refers to an invalid or unused block")
+
+
+def slot_list(table: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
+    """The pool slots of a sequence's positions ``start .. end - 1`` whose blocks are ``table``: position p is slot
+    ``table[p // block_size] * block_size + p % block_size``, built a block's run at a time (``range``, not a
+    Python loop per token: a prefill step has thousands)."""
+    out: list[int] = []
+    for b in range(start // block_size, -(-end // block_size)):
+        base = table[b] * block_size
+        first = b * block_size
+        out.extend(range(base + max(start - first, 0), base + min(end - first, block_size)))
+    return out

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from flashpage.blocks import slot_list
 from flashpage.kernels import cpu_attention, dispatch, paged
 from flashpage.kernels.paged import LayerOptions
 
@@ -151,8 +152,17 @@ class DeviceStep:
         """Store k (N, Hk, D) / v (N, Hk, Dv), one row per input position, into the pages."""
         if torch.compiler.is_compiling():
             paged.store_op(k_pages, v_pages, k, v, self.input_slots, self.all_written)
-        elif not (k_pages.device.type == "cpu" and cpu_attention.store_kv(k_pages, v_pages, k, v, self.input_slots)):
+        elif not (k_pages.is_cpu and cpu_attention.store_kv(k_pages, v_pages, k, v, self.input_slots,
+                                                            self._store_loaded())):
             paged.store(k_pages, v_pages, k, v, self.input_slots, self.all_written)
+
+    def _store_loaded(self) -> bool:
+        """Whether the C++ CPU kernels are loaded (:func:`cpu_attention.load`): looked up on the first layer's
+        write and shared by the others (one environment check per step, as :meth:`_cpu_metadata`)."""
+        loaded = self._masks.get("store")
+        if loaded is None:
+            loaded = self._masks["store"] = cpu_attention.load() is not None
+        return loaded
 
     @property
     def supports_chunks(self) -> bool:
@@ -432,8 +442,9 @@ def build_plan(seq_ids: list[Hashable], query_lens: list[int], context_lens: lis
     stored ones, whose blocks (``tables``) are already allocated. ``layout`` None: the input is the
     computed tokens, packed sequence by sequence. ``table_width``: block-table columns at least
     (fixed widths keep shapes static across steps)."""
-    slots = [t[pos // block_size] * block_size + pos % block_size
-             for t, c, n in zip(tables, context_lens, query_lens, strict=True) for pos in range(c, c + n)]
+    slots: list[int] = []
+    for t, c, n in zip(tables, context_lens, query_lens, strict=True):
+        slots += slot_list(t, block_size, c, c + n)
     slot_mapping = torch.tensor(slots, dtype=torch.int64)
     key_lens = [c + n for c, n in zip(context_lens, query_lens, strict=True)]
     b = len(tables)

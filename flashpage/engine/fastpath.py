@@ -233,12 +233,21 @@ def _norm_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: 
     """x (..., dim) -> (..., dim): the fused op inside the engine's scope on float32, else the module's own."""
     if not torch.compiler.is_compiling() and _active() and not args and not kwargs:
         norm = self._flashpage_norm
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return _fused_norm(norm, x, self.weight, _step_ops() if norm.cpp else None)
-        ops = _step_ops() if norm.half and x.dtype == self.weight.dtype else None
-        if ops is not None and cpu_fused.eligible(x, self.weight):
-            return ops.rms_norm(x, self.weight, norm.eps, norm.offset, norm.round_normed)
+        weight = _own(self, "_parameters", "weight")
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return _fused_norm(norm, x, weight, _step_ops() if norm.cpp else None)
+        ops = _step_ops() if norm.half and x.dtype == weight.dtype else None
+        if ops is not None and cpu_fused.eligible(x, weight):
+            return ops.rms_norm(x, weight, norm.eps, norm.offset, norm.round_normed)
     return type(self).forward(self, x, *args, **kwargs)
+
+
+def _own(module: torch.nn.Module, table: str, name: str) -> Any:
+    """``getattr(module, name)`` for a parameter (``table`` "_parameters") or child module ("_modules"): read from
+    its table first (a plain dict read; ``nn.Module.__getattr__``, the path attribute access takes to them, costs
+    a Python call per read on the hot path), else the attribute as it is (one set outside the table)."""
+    value = module.__dict__[table].get(name)
+    return value if value is not None else getattr(module, name)
 
 
 # --------------------------------------------------------------------------------------------- rotary
@@ -330,8 +339,8 @@ def _rotary_dispatch(original: Callable[..., Any], cpp: bool, half: bool = False
     def apply_rotary_pos_emb(*args, **kwargs):
         # only (q, k, cos, sin[, unsqueeze_dim=]) is taken; any other call (Qwen4-Exp's indexer passes the query
         # alone and cos= / sin= by keyword) goes to the original as it was made
-        if (len(args) == 4 and set(kwargs) <= {"unsqueeze_dim"} and not torch.compiler.is_compiling() and _active()
-                and all(isinstance(t, torch.Tensor) for t in args)
+        if (len(args) == 4 and (not kwargs or (len(kwargs) == 1 and "unsqueeze_dim" in kwargs))
+                and not torch.compiler.is_compiling() and _active() and _all_tensors(args)
                 and args[2].shape[-1] == args[0].shape[-1] == args[1].shape[-1]):
             q, k, cos, sin = args
             dim = kwargs.get("unsqueeze_dim", 1)
@@ -350,6 +359,14 @@ def _rotary_dispatch(original: Callable[..., Any], cpp: bool, half: bool = False
     apply_rotary_pos_emb._flashpage_half = half  # type: ignore[attr-defined]
     apply_rotary_pos_emb.__doc__ = original.__doc__
     return apply_rotary_pos_emb
+
+
+def _all_tensors(args: tuple[Any, ...]) -> bool:
+    """Whether every item of ``args`` is a tensor (a loop: no generator frame per call on the hot path)."""
+    for t in args:
+        if not isinstance(t, torch.Tensor):
+            return False
+    return True
 
 
 def _rotary_function(fn: Any) -> Callable[..., Any] | None:
@@ -511,34 +528,52 @@ def _owns_storage(t: torch.Tensor) -> bool:
 
 def _mlp_forward(self: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """x (..., hidden) -> (..., hidden): activation and product in one C++ pass, or in place, inside the
-    engine's scope (bfloat16 / float16: the C++ pass where its probe passed, else the module's own forward)."""
+    engine's scope (bfloat16 / float16: the C++ pass where its probe passed, else the module's own forward).
+    The children are called as modules (their hooks run), read from the module's child table."""
     fused: FusedMLP = self._flashpage_mlp
-    if (x.dtype in _HALF and fused.half and not torch.compiler.is_compiling() and _active() and not args
-            and not kwargs and x.device.type == "cpu" and (ops := _step_ops()) is not None):
-        code = cpu_fused.ACTIVATIONS[fused.act]
-        if fused.packed:
-            both = self.gate_up_proj(x)
-            half = both.shape[-1] // 2
-            return self.down_proj(ops.act_and_mul(both[..., :half], both[..., half:], code))
-        return self.down_proj(ops.act_and_mul(self.gate_proj(x), self.up_proj(x), code))
-    first = self.gate_up_proj if fused.packed else self.gate_proj
-    if (not torch.compiler.is_compiling() and _active() and x.dtype == torch.float32 and not args and not kwargs
-            and torch.is_inference_mode_enabled() and first.weight.dtype == torch.float32):
-        ops = _step_ops() if fused.cpp and x.device.type == "cpu" else None
-        if fused.packed:
-            both = self.gate_up_proj(x)
-            half = both.shape[-1] // 2
-            gate, up = both[..., :half], both[..., half:]
-            if ops is not None:
-                return self.down_proj(ops.act_and_mul(gate, up, cpu_fused.ACTIVATIONS[fused.act]))
-            return self.down_proj(_ACTIVATIONS[fused.act](gate).mul_(up))  # a tensor of our own, then in place
-        gate = self.gate_proj(x)
-        if ops is not None:  # gate / up may be views of one fused GEMM output
-            return self.down_proj(ops.act_and_mul(gate, self.up_proj(x), cpu_fused.ACTIVATIONS[fused.act]))
-        act = _IN_PLACE.get(fused.act) if _owns_storage(gate) else None  # never into a view
-        h = act(gate) if act is not None else _ACTIVATIONS[fused.act](gate)  # a tensor of our own
-        return self.down_proj(h.mul_(self.up_proj(x)))
-    return type(self).forward(self, x, *args, **kwargs)
+    if torch.compiler.is_compiling() or args or kwargs or not _active():
+        return type(self).forward(self, x, *args, **kwargs)
+    if x.dtype in _HALF:
+        if fused.half and x.device.type == "cpu" and (ops := _step_ops()) is not None:
+            return _half_mlp(self, fused, ops, x)
+        return type(self).forward(self, x)
+    first = _own(self, "_modules", "gate_up_proj" if fused.packed else "gate_proj")
+    if (x.dtype == torch.float32 and torch.is_inference_mode_enabled()
+            and _own(first, "_parameters", "weight").dtype == torch.float32):
+        return _float_mlp(self, fused, first, x)
+    return type(self).forward(self, x)
+
+
+def _half_mlp(self: torch.nn.Module, fused: FusedMLP, ops: cpu_fused.Ops, x: torch.Tensor) -> torch.Tensor:
+    """:func:`_mlp_forward` on bfloat16 / float16 ``x``: the C++ activation-and-product."""
+    code = cpu_fused.ACTIVATIONS[fused.act]
+    down = _own(self, "_modules", "down_proj")
+    if fused.packed:
+        both = _own(self, "_modules", "gate_up_proj")(x)
+        half = both.shape[-1] // 2
+        return down(ops.act_and_mul(both[..., :half], both[..., half:], code))
+    return down(ops.act_and_mul(_own(self, "_modules", "gate_proj")(x), _own(self, "_modules", "up_proj")(x), code))
+
+
+def _float_mlp(self: torch.nn.Module, fused: FusedMLP, first: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """:func:`_mlp_forward` on float32 ``x`` (``first``: the gate or gate|up linear): the C++ activation-and-product
+    where the step has the ops, else the activation and product in place."""
+    ops = _step_ops() if fused.cpp and x.device.type == "cpu" else None
+    down = _own(self, "_modules", "down_proj")
+    if fused.packed:
+        both = first(x)
+        half = both.shape[-1] // 2
+        gate, up = both[..., :half], both[..., half:]
+        if ops is not None:
+            return down(ops.act_and_mul(gate, up, cpu_fused.ACTIVATIONS[fused.act]))
+        return down(_ACTIVATIONS[fused.act](gate).mul_(up))  # a tensor of our own, then in place
+    gate = first(x)
+    up_proj = _own(self, "_modules", "up_proj")
+    if ops is not None:  # gate / up may be views of one fused GEMM output
+        return down(ops.act_and_mul(gate, up_proj(x), cpu_fused.ACTIVATIONS[fused.act]))
+    act = _IN_PLACE.get(fused.act) if _owns_storage(gate) else None  # never into a view
+    h = act(gate) if act is not None else _ACTIVATIONS[fused.act](gate)  # a tensor of our own
+    return down(h.mul_(up_proj(x)))
 
 
 # ------------------------------------------------------------------------------------------- install

@@ -114,8 +114,10 @@ class FlatDecoder:
             q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             cache.update(k, v.transpose(1, 2), layer.index)
             out = step.attend(q, kv.k_pages(layer.index), kv.v_pages(layer.index), options)
-            hidden = hidden + layer.o(out.reshape(1, length, -1).contiguous())
-            hidden = hidden + layer.mlp(layer.mlp_norm(hidden))
+            # the residual adds in place: ``hidden`` is the step's own tensor (the embedding's output, then these
+            # sums), which no op of the loop keeps; the same add as ``hidden + ...``, without a new T x hidden tensor
+            hidden.add_(layer.o(out.reshape(1, length, -1).contiguous()))
+            hidden.add_(layer.mlp(layer.mlp_norm(hidden)))
         return self.lm_head(self.norm(hidden)[:, keep_rows])[0]  # normed, then sliced: as the model does
 
     def verify(self, cache: HFPagedCache, module_forward: Callable[[], torch.Tensor], input_ids: torch.Tensor,

@@ -82,7 +82,8 @@ def tensor_version(t: torch.Tensor) -> int:
 
 
 def _fingerprint(tensors: list[torch.Tensor], adapters: int, extra: Hashable) -> tuple:
-    versions = sum([tensor_version(t) for t in tensors])
+    # tensor_version inlined: this runs at every step, over every parameter and buffer
+    versions = sum([-1 if t.is_inference() else t._version for t in tensors])
     storage = hash(tuple([t.data_ptr() for t in tensors]))  # a new dtype or device is new storage too
     return versions, storage, len(tensors), adapters, OPTIMIZER_STEPS.steps, extra
 

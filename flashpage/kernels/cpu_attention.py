@@ -86,10 +86,10 @@ def load() -> Callable[..., torch.Tensor] | None:
     """The built kernel (a torch op), building it on first use; None (after one warning) when it cannot
     be built here or is forced off with ``FLASHPAGE_CPU_ATTENTION=reference``."""
     global _module, _failure
-    if _module is not None or _forced_reference():
-        return None if _forced_reference() else _module
-    if _failure is not None:
+    if _forced_reference():
         return None
+    if _module is not None or _failure is not None:
+        return _module
     with _lock:
         if _module is None and _failure is None:
             _failure = _missing_tools()
@@ -130,16 +130,18 @@ def _library_path() -> str | None:
 
 
 def store_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slots: torch.Tensor) -> bool:
+             slots: torch.Tensor, loaded: bool | None = None) -> bool:
     """Write k (N, Hk, D) / v (N, Hk, Dv) into contiguous CPU pages (NB, P, Hk, D|Dv) at ``slots`` (N,)
     (-1: skipped) in one C++ call; False (nothing written) where it does not apply: not CPU, dtypes
-    that differ from the pages', autograd, a strided last dimension, or the kernel unavailable."""
-    if (k.device.type != "cpu" or k_pages.device.type != "cpu" or k.dtype != k_pages.dtype
+    that differ from the pages', autograd, a strided last dimension, or the kernel unavailable.
+    ``loaded``: whether :func:`load` gave the kernel, from a caller that looks it up once per step (None: look
+    it up here)."""
+    if (not k.is_cpu or not k_pages.is_cpu or k.dtype != k_pages.dtype
             or v.dtype != v_pages.dtype or k.stride(-1) != 1 or v.stride(-1) != 1
             or not (k_pages.is_contiguous() and v_pages.is_contiguous())
             or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))):
         return False
-    if load() is None:
+    if not (load() is not None if loaded is None else loaded):
         return False
     torch.ops.flashpage_cpu.store_kv(k_pages, v_pages, k, v, slots)
     return True

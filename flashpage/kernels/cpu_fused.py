@@ -162,9 +162,16 @@ def eligible(*tensors: torch.Tensor) -> bool:
     """Whether these tensors can take the ops: CPU, one float32 / float64 / bfloat16 / float16 dtype, no autograd to
     record."""
     dtype = tensors[0].dtype
-    if dtype not in _DTYPES or any(t.device.type != "cpu" or t.dtype != dtype for t in tensors):
+    if dtype not in _DTYPES:
         return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    for t in tensors:  # loops, not generators: this runs several times per layer of every step
+        if not t.is_cpu or t.dtype != dtype:
+            return False
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if t.requires_grad:
+                return False
+    return True
 
 
 def rms_norm(ops: Ops, x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 0.0,

@@ -24,13 +24,24 @@ host's work.
 ``FLASHPAGE_MALLOC=system`` leaves malloc alone. So does a malloc setting already in the environment
 (``MALLOC_*_`` variables, ``glibc.malloc`` tunables) and a preloaded malloc (``LD_PRELOAD`` naming
 jemalloc, tcmalloc or mimalloc). Elsewhere than glibc (musl, macOS, Windows) it does nothing and says why.
+
+:func:`page_out` hands the resident pages of tensors that live in a file mapping back to the kernel
+(``madvise(MADV_PAGEOUT)``, Linux >= 5.4). transformers loads a safetensors checkpoint in its own dtype as
+tensors backed by a private mapping of the file: clean pages the kernel reads back from the file on the next
+access, so a reader later sees the same values. Pages written since (copy on write: a weight update) are
+anonymous, and without swap the kernel leaves them alone; so do anonymous tensors (a model built in memory or
+converted to another dtype). The engine pages out a linear's original weight once it runs on the packed copy
+(``engine/linears.py``). :func:`resident_bytes` reads the process's resident set, to say what that released.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import os
+import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,3 +226,106 @@ def probe(nbytes: int = 16 << 20) -> MallocProbe | None:
     mapped = during["hblkhd"] - before["hblkhd"] >= nbytes
     kept = not mapped and after["arena"] >= during["arena"] and after["fordblks"] >= nbytes
     return MallocProbe(nbytes, mapped, kept)
+
+
+# ------------------------------------------------------------------ file-backed pages handed back
+MADV_PAGEOUT = 21  # linux/mman.h (Linux >= 5.4; older kernels answer EINVAL)
+_madvise: Any = None
+
+
+def _page_size() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4096
+
+
+def _madvise_fn() -> Any | None:
+    """libc's ``madvise`` through ctypes (errno kept), None off Linux or without it."""
+    global _madvise
+    if _madvise is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+        except (OSError, AttributeError, TypeError):
+            fn = False
+        else:
+            fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            fn.restype = ctypes.c_int
+        _madvise = fn
+    return _madvise or None
+
+
+def file_mappings() -> list[tuple[int, int]]:
+    """Sorted ``(start, end)`` address ranges of this process's mappings of files (``/proc/self/maps`` lines
+    with an inode; adjacent ones merged); empty off Linux."""
+    if not sys.platform.startswith("linux"):
+        return []
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    spans = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) >= 6 and fields[4] != "0":
+            lo, hi = fields[0].split("-")
+            spans.append((int(lo, 16), int(hi, 16)))
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):  # adjacent mappings (one file mapped in parts) as one range
+        if merged and merged[-1][1] == lo:
+            merged[-1] = (merged[-1][0], hi)
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _in_file_mapping(lo: int, hi: int, spans: list[tuple[int, int]]) -> bool:
+    """Whether [lo, hi) lies inside one of ``spans`` (sorted, disjoint)."""
+    i = bisect.bisect_right(spans, (lo, float("inf"))) - 1
+    return i >= 0 and spans[i][0] <= lo and hi <= spans[i][1]
+
+
+def page_out(tensors: Sequence[Any], spans: list[tuple[int, int]] | None = None) -> int:
+    """``madvise(MADV_PAGEOUT)`` on the whole pages inside each contiguous CPU tensor's data that lie in a file
+    mapping (``spans``: :func:`file_mappings`, read now when not given); returns the bytes advised (0 off Linux,
+    for anonymous memory, or where the kernel refuses). A page shared with a neighbouring tensor is left alone,
+    as is every page of a tensor elsewhere than one mapping."""
+    fn = _madvise_fn()
+    if fn is None or not sys.platform.startswith("linux") or not tensors:
+        return 0
+    spans = file_mappings() if spans is None else spans
+    page = _page_size()
+    advised = 0
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+            continue
+        start = t.data_ptr()
+        lo = -(-start // page) * page
+        hi = (start + t.numel() * t.element_size()) // page * page
+        if hi <= lo or not _in_file_mapping(lo, hi, spans):
+            continue
+        if fn(lo, hi - lo, MADV_PAGEOUT) == 0:
+            advised += hi - lo
+    return advised
+
+
+def trim_heap() -> bool:
+    """glibc's ``malloc_trim(0)``: the heap's free pages (its top and whole free pages inside it) go back to the
+    OS. Packing leaves tens of MiB-sized holes (the stacked temporaries of fused weights) that a step never
+    fills; the trim threshold (:data:`SETTINGS`) would keep them. True when glibc released memory."""
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.malloc_trim.argtypes = (ctypes.c_size_t,)
+    libc.malloc_trim.restype = ctypes.c_int
+    return bool(libc.malloc_trim(0))
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set now (``/proc/self/statm``), None where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _page_size()
+    except (OSError, ValueError, IndexError):
+        return None

@@ -14,6 +14,12 @@ decode-heavy workload (16 requests x 96 new tokens, short prompts) and
 on ``bench engine``'s quick mixed workload, the bench model (``--quick``: 4 layers): wall and process
 CPU time of each timed ``generate()`` (CPU time is what a loaded machine disturbs least), tokens
 compared across modes, and what packing the model costs (all GEMMs; one after a one-tensor edit).
+
+``--small-rows``: what a step of one to four rows costs once a GEMM's original weight is paged out (it then
+runs on the packed weight, see ``Prepacked.release``) against ``small_linear`` on the original, at Qwen3-0.6B's
+widths (:data:`REAL_GROUPS`; ``layers`` copies streamed from memory, as a decode step reads them), in thread CPU
+time (best of ``repeats`` alternating rounds): packed, packed zero-padded to ``PACKED_MIN_ROWS`` rows (what the
+engine runs), small_linear.
 """
 
 from __future__ import annotations
@@ -35,6 +41,68 @@ GROUPS: dict[str, tuple[int, tuple[int, ...]]] = {  # name -> (input width, outp
     "down": (INTERMEDIATE, (HIDDEN,)), "lm_head": (HIDDEN, (VOCAB,)),
 }
 ROWS = (1, 8, 32, 256, 2048)
+REAL_GROUPS: dict[str, tuple[int, tuple[int, ...]]] = {  # Qwen3-0.6B: hidden 1024, 16 / 8 heads of 128, MLP 3072
+    "q/k/v": (1024, (2048, 1024, 1024)), "o": (2048, (1024,)), "gate/up": (1024, (3072, 3072)), "down": (3072, (1024,)),
+}
+
+
+@dataclass(frozen=True)
+class SmallRow:
+    """Best-round microseconds per call of one real-width group at ``rows`` rows (``small``: small_linear on
+    each member's original weight; ``packed``: the fused packed GEMM; ``padded``: that, zero-padded)."""
+
+    group: str
+    rows: int
+    small_us: float
+    packed_us: float
+    padded_us: float
+
+
+def measure_small_rows(group: str, rows: int, layers: int = 8, repeats: int = 9, seed: int = 0) -> SmallRow | None:
+    """:class:`SmallRow` of ``group`` (a :data:`REAL_GROUPS` key); None without the C++ small-M kernel."""
+    from flashpage.engine import linears
+    from flashpage.kernels import cpu_fused
+
+    ops = cpu_fused.load()
+    if ops is None:
+        return None
+    width, outs = REAL_GROUPS[group]
+    gen = torch.Generator().manual_seed(seed)
+    weights = [[torch.randn(n, width, generator=gen) / width ** 0.5 for n in outs] for _ in range(layers)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(torch.cat(ws), PACK_BATCH_HINT) for ws in weights]
+    x = torch.randn(1, rows, width, generator=gen)
+    variants: dict[str, Callable[[], object]] = {
+        "small": lambda: [ops.small_linear(x, w, None) for ws in weights for w in ws],
+        "packed": lambda: [_call(x, p).split(outs, -1) for p in packed],
+        "padded": lambda: [linears._packed_call(x, p, None).split(outs, -1) for p in packed]}
+    best = dict.fromkeys(variants, float("inf"))
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            fn()
+            start = time.thread_time()
+            for _ in range(4):
+                fn()
+            best[name] = min(best[name], (time.thread_time() - start) / 4 / layers)
+    return SmallRow(group, rows, best["small"] * 1e6, best["packed"] * 1e6, best["padded"] * 1e6)
+
+
+def small_rows_main(repeats: int) -> int:
+    rows = [r for g in REAL_GROUPS for n in (1, 2, 3, 4) if (r := measure_small_rows(g, n, repeats=repeats))]
+    if not rows:
+        print("no C++ small-M kernel here (cpu_fused did not load)", file=sys.stderr)
+        return 1
+    print(f"{'group':8s} {'rows':>5s} {'small us':>9s} {'packed us':>10s} {'padded us':>10s} {'packed/small':>13s} "
+          f"{'padded/small':>13s}")
+    for r in rows:
+        print(f"{r.group:8s} {r.rows:5d} {r.small_us:9.0f} {r.packed_us:10.0f} {r.padded_us:10.0f} "
+              f"{r.packed_us / r.small_us:13.2f} {r.padded_us / r.small_us:13.2f}")
+    for n in (1, 2, 3, 4):
+        at = [r for r in rows if r.rows == n]
+        small = sum(r.small_us for r in at)
+        print(f"a layer at {n} row(s): packed/small {sum(r.packed_us for r in at) / small:.2f}, "
+              f"padded/small {sum(r.padded_us for r in at) / small:.2f}")
+    print(f"load avg {load_average():.2f}")
+    return 0
 
 
 @dataclass(frozen=True)
@@ -209,12 +277,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="with --engine: alternating rounds per workload")
     parser.add_argument("--quick", action="store_true", help="with --engine: the 4-layer bench model")
     parser.add_argument("--compile", action="store_true", help="with --engine: LLM(compile=True) (no fusion there)")
+    parser.add_argument("--small-rows", action="store_true",
+                        help="1-4 rows at Qwen3-0.6B's widths: packed (padded) vs small_linear on the originals")
     args = parser.parse_args(argv)
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         print("this torch has no oneDNN linear", file=sys.stderr)
         return 1
     if args.engine:
         return engine_main(args.rounds, args.quick, args.compile)
+    if args.small_rows:
+        return small_rows_main(min(args.repeats, 9))
     groups = [g.strip() for g in args.groups.split(",") if g.strip()]
     unknown = [g for g in groups if g not in GROUPS]
     if unknown:

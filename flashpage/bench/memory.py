@@ -12,8 +12,9 @@ checkpoint with ``from_pretrained`` as a user would and runs the same greedy req
 The parent samples the resident set of each case's whole process tree (vLLM starts an engine process)
 every 20 ms and reports its peak, beside the checkpoint's weight bytes and the KV pool, and
 ``overhead = peak - weights - pool`` (the interpreter, imports, activations and allocator slack
-included). The model is a saved real-shape checkpoint (``--model-shape``, default Qwen3-0.6B's config)
-or ``--model PATH``.
+included; for ``LLM`` on float32 weights, its oneDNN-packed copies less what paging out the originals of a
+file-backed checkpoint released: the report prints both). The model is a saved real-shape checkpoint
+(``--model-shape``, default Qwen3-0.6B's config) or ``--model PATH``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class CaseResult:
     seconds: float
     tokens: list[list[int]]
     error: str = ""
+    packed: int = 0  # bytes of LLM's oneDNN-packed weight copies (in the peak)
+    released: int = 0  # bytes the resident set shrank by when LLM paged out the packed GEMMs' original weights
 
 
 # ---------------------------------------------------------------------------------------------- children
@@ -78,7 +81,10 @@ def _child(case: str, model_dir: str, workload: MemoryWorkload) -> dict[str, Any
                                                     ignore_eos=True), use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         pool = llm.kv.bytes_per_block() * llm.kv.num_blocks
-        return {"tokens": tokens, "pool": pool, "seconds": time.perf_counter() - start}
+        packs = llm._prepack
+        return {"tokens": tokens, "pool": pool, "seconds": time.perf_counter() - start,
+                "packed": packs.nbytes() if packs is not None else 0,
+                "released": packs.released() if packs is not None else 0}
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
     prompts = workload.prompts(int(model.config.vocab_size))
     if case == "flashpage-generate":
@@ -154,7 +160,8 @@ def run_case(case: str, model_dir: str, workload: MemoryWorkload, vllm_python: s
             return CaseResult(case, peak, 0, 0.0, [], error=tail)
         got = json.loads(out.read_text())
     pool = workload.kv_cache_memory if case == "vllm" else int(got["pool"])
-    return CaseResult(case, peak, pool, float(got["seconds"]), got["tokens"])
+    return CaseResult(case, peak, pool, float(got["seconds"]), got["tokens"], packed=int(got.get("packed", 0)),
+                      released=int(got.get("released", 0)))
 
 
 def _vllm_spec(model_dir: str, workload: MemoryWorkload, tmp: Path) -> Path:
@@ -200,7 +207,7 @@ def run(model_dir: str, workload: MemoryWorkload, vllm_python: str | None = None
         rows.append({"case": r.case, "peak": r.peak, "weights": weights, "pool": r.pool,
                      "overhead": r.peak - weights - r.pool, "seconds": round(r.seconds, 2),
                      "tokens_equal_transformers": None if ref is None or r.error else r.tokens == ref,
-                     "error": r.error})
+                     "packed": r.packed, "released": r.released, "error": r.error})
     return {"model": model_dir, "workload": asdict(workload), "rows": rows, "dtype": _checkpoint_dtype(model_dir)}
 
 
@@ -228,6 +235,9 @@ def format_report(result: dict[str, Any]) -> str:
         same = {None: "-", True: "= transformers", False: differ}[r["tokens_equal_transformers"]]
         lines.append(f"{r['case']:<20} {r['peak'] / mib:>9.0f} {r['weights'] / mib:>8.0f} {r['pool'] / mib:>8.1f} "
                      f"{r['overhead'] / mib:>9.0f} {r['seconds']:>8.1f}  {same}")
+    lines += [f"{r['case']}: oneDNN-packed weight copies {r['packed'] / mib:.0f} MiB (in the overhead), original "
+              f"weights paged out after packing {r['released'] / mib:.0f} MiB (out of the weights)"
+              for r in result["rows"] if r.get("packed") and not r["error"]]
     return "\n".join(lines)
 
 

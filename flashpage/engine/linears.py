@@ -19,6 +19,13 @@ about 25 us more than the work at hidden 256: it runs :mod:`flashpage.kernels.cp
 (MKL's GEMV). Measured, 1 thread, AMD EPYC (AVX2), us per call, oneDNN packed / F.linear / small_linear:
 hidden 256, one row: q/k/v 40 / 16 / 11, gate/up 57 / 39 / 25, LM head (4096) 113 / 108 / 65; four rows:
 q/k/v 49 / 37 / 20, gate/up 86 / 99 / 51; hidden 512, four rows: gate/up 256 / 372 / 189, down 137 / 162 / 140.
+A GEMM whose original weights were paged out after packing (below) runs its few-row steps on the packed weight
+instead, so they stay out; fewer than :data:`PACKED_MIN_ROWS` rows then run zero-padded to four, oneDNN's
+four-row call on a packed weight being faster than its one- or two-row one. Measured at Qwen3-0.6B's widths
+(hidden 1024; q/k/v fused 1024 -> 4096, o 2048 -> 1024, gate/up fused 1024 -> 6144, down 3072 -> 1024; 8 layers
+streamed from memory), 1 thread, AMD EPYC, a shared machine (thread CPU time, best of 9 alternating rounds),
+a layer's four GEMMs, packed (padded) / small_linear on the originals: one row 1.29x (unpadded 1.37x), two 0.96x
+(1.25x), three 0.91x, four 0.76x.
 
 bfloat16 / float16 linears (the dtype checkpoints ship in) take the same scoped forward: a step of at most
 :data:`HALF_SMALL_ROWS` rows runs ``small_linear`` in half precision (float32 sums of exact products, one rounding;
@@ -30,8 +37,9 @@ bf16, streamed from memory, F.linear / small_linear time: one row 1.96x, eight 1
 prefetch went to L2 (T1; into L1 it evicted the tile's own rows: 1.1-1.7x), its main loop took plain loads (masked
 ones: 1.12-1.15x slower) and its tiles 4 x 6 (1.05x)). In cache the kernel runs about 155 GF/s before those
 changes, F.linear 170-210 GF/s at 64-2048 rows, oneDNN with packed weights 5-15% more than F.linear (217 GF/s at
-2048 rows); a packed copy of every weight is the weights' size again (the memory goal is weights + KV pool + 1 GiB),
-so half-precision weights are never packed (``_packable``: float32 only) and never copied to float32.
+2048 rows); a packed copy of a weight that stays resident is the weight's size again (the memory goal is weights +
+KV pool + 1 GiB), so half-precision weights are never packed (``_packable``: float32 only) and never copied to
+float32.
 
 Packed and fused weights (:class:`Prepacked`, ``LLM(cpu_prepack=...)``): as vLLM's CPU backend, the
 engine keeps each weight in oneDNN's blocked layout (packed once, not reordered on every call), and
@@ -39,10 +47,24 @@ stacks sibling linears that read the same input tensor (q/k/v, gate/up; found by
 step, never by name) into one GEMM whose output is split into views. The copies live in the engine,
 not in the model; they are repacked when the :class:`~flashpage.engine.weights.WeightWatcher` sees
 the weights change (only the changed GEMMs when the change shows on the tensors themselves).
+
+Released originals (``Prepacked.release``, on by default): once a GEMM is packed, engine steps read only its
+packed weight (the watcher reads version counters and storage pointers, never data; the compiled step's table
+is keyed by pointers), so the members' original weights are paged out right after each pack
+(:func:`flashpage.cpu_memory.page_out`, ``madvise(MADV_PAGEOUT)``). That releases memory where the weights lie
+in a file mapping: a float32 checkpoint loaded in its own dtype (transformers maps safetensors files privately).
+The pages stay the file's: ``llm.model``, a patched ``generate()``, a trainer reads them back transparently.
+Pages written since loading (a weight update: copy on write) and weights in anonymous memory (a model built or
+converted in memory) stay resident; ``Prepacked.released()`` says how many bytes the resident set shrank by. A
+weight that shares its memory with a tensor the steps still read whole is never paged out; an LM head tied to the
+embedding is (a lookup reads only its tokens' rows, which come back a page each, read from the file the first
+time a token is seen). After a weight change the repacked GEMMs are paged out again. A fused pack's stacked
+temporary is handed back to the OS (``malloc_trim``), which the heap would otherwise keep.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import threading
@@ -54,6 +76,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flashpage import cpu_memory
 from flashpage.engine.weights import tensor_version
 from flashpage.kernels import cpu_fused
 
@@ -62,6 +85,7 @@ ENV = "FLASHPAGE_CPU_LINEAR"
 SMALL_ROWS = 4  # steps of at most this many rows skip oneDNN (see the module docstring); 0: never (an A/B switch)
 # bfloat16 / float16 steps of at most this many rows take the C++ small-M kernel (see the module docstring); 0: never
 HALF_SMALL_ROWS = 96
+PACKED_MIN_ROWS = 4  # a packed GEMM's call of fewer rows runs zero-padded to this many (see _packed_call)
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -72,6 +96,18 @@ def _active() -> bool:
 def _linear_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., in) through oneDNN's linear with ``weight`` (plain (out, in) or packed): (..., out)."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+def _packed_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`_linear_call` on a packed weight; fewer than :data:`PACKED_MIN_ROWS` rows run zero-padded to that
+    many (the padding rows' outputs dropped): oneDNN's one- and two-row calls on a packed weight are slower than
+    its four-row one (see the module docstring)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 0 < rows < PACKED_MIN_ROWS:
+        return _linear_call(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    padded = torch.cat([flat, flat.new_zeros(PACKED_MIN_ROWS - rows, x.shape[-1])])
+    return _linear_call(padded, weight, bias)[:rows].reshape(*x.shape[:-1], -1)
 
 
 def _few_rows(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
@@ -109,7 +145,8 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return _half_forward(self, x)
     elif _active() and x.dtype == torch.float32:
         packs = _STATE.packs
-        if x.numel() <= SMALL_ROWS * x.shape[-1]:  # decodes of one to a few sequences: no oneDNN call overhead
+        # decodes of one to a few sequences: no oneDNN call overhead, unless the original weight was paged out
+        if x.numel() <= SMALL_ROWS * x.shape[-1] and (packs is None or not packs.paged_out(self)):
             out = _few_rows(self, x)
             if out is not None:
                 if packs is not None:
@@ -242,6 +279,11 @@ def compiled_scope(enabled: bool = True, packs: Prepacked | None = None) -> Iter
 # AMD EPYC, AVX-512; docs/benchmarks.md): hint 32 is within noise of the best hint at M = 1..2048 and
 # never slower than the plain weight, so one pack serves decode and prefill steps alike.
 PREPACK_ENV = "FLASHPAGE_CPU_PREPACK"
+RELEASE_ENV = "FLASHPAGE_CPU_PREPACK_RELEASE"  # "0": keep the packed GEMMs' original weights resident
+
+
+def _release_default() -> bool:
+    return os.environ.get(RELEASE_ENV, "1") != "0"
 PACK_BATCH_HINT = 32
 AUTO_MEMORY_SHARE = 0.25  # "auto" packs when the copies take at most this share of available memory
 
@@ -282,6 +324,9 @@ class PackedGemm:
         bias: (sum(sizes),) stacked biases (zeros for a member without one), the member's own bias
             (a single linear), or None.
         key: the members' weights and biases as they were when packed (:func:`_tensor_key`).
+        released: bytes the process's resident set shrank by when the members' original weights were paged
+            out after the latest pack (:meth:`release`); 0: the originals stay resident (anonymous memory,
+            not released, or read by something else) and few-row steps read them.
     """
 
     members: tuple[torch.nn.Linear, ...]
@@ -289,6 +334,7 @@ class PackedGemm:
     weight: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     key: tuple = ()
+    released: int = 0
 
     def current_key(self) -> tuple:
         return tuple((_tensor_key(m.weight), _tensor_key(m.bias)) for m in self.members)
@@ -296,6 +342,7 @@ class PackedGemm:
     def pack(self) -> None:
         """(Re)build the packed weight from the members' current weights (all of them)."""
         self.key = self.current_key()
+        self.released = 0
         if not all(_packable(m) for m in self.members):
             self.weight = self.bias = None
             return
@@ -315,6 +362,33 @@ class PackedGemm:
 
     def nbytes(self) -> int:
         return sum(m.weight.numel() * m.weight.element_size() for m in self.members)
+
+    def release(self, kept: list[tuple[int, int]], files: list[tuple[int, int]] | None = None) -> int:
+        """Page out the members' original weights (``cpu_memory.page_out``: file-backed pages only; ``files``:
+        the file mappings, read now when not given) once they are packed, except a weight overlapping one of
+        ``kept`` (sorted byte ranges of tensors that engine steps still read whole). Sets and returns
+        :attr:`released`."""
+        if self.weight is None:
+            return 0
+        weights = [m.weight for m in self.members if not _overlaps(_span(m.weight), kept)]
+        before = cpu_memory.resident_bytes()
+        advised = cpu_memory.page_out([w.detach() for w in weights], files)
+        after = cpu_memory.resident_bytes()
+        if advised and before is not None and after is not None:
+            self.released = max(0, before - after)
+        return self.released
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``t``'s elements lie in (its storage offset on, as far as its largest stride reaches)."""
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1 if t.numel() else 0
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _overlaps(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    """Whether ``span`` overlaps one of ``spans`` (sorted by start; they may overlap each other)."""
+    lo, hi = span
+    return any(a < hi and lo < b for a, b in spans[:bisect.bisect_left(spans, (hi, hi))])
 
 
 @dataclass
@@ -420,10 +494,11 @@ def prepack_default() -> str:
     asked, env = _prepack_env()
     said = {"off": "weights not packed", "unfused": "weights packed, siblings not fused",
             "on": "weights packed, siblings fused"}
+    released = "; a packed GEMM's original weights paged out where they lie in a file mapping (checkpoint)"
     if asked is not None:
-        return f"{said[asked]} ({PREPACK_ENV}={env})"
+        return f"{said[asked]} ({PREPACK_ENV}={env}){released if asked != 'off' else ''}"
     return f"weights packed and siblings fused when the copies fit in {AUTO_MEMORY_SHARE:.0%} of available memory " \
-           f"(LLM(cpu_prepack='auto'); {PREPACK_ENV}=0 turns it off)"
+           f"(LLM(cpu_prepack='auto'); {PREPACK_ENV}=0 turns it off){released}"
 
 
 @dataclass
@@ -438,10 +513,17 @@ class Prepacked:
     (else: its unpacked oneDNN call). :meth:`refresh` repacks after a weight change; the model itself is
     never modified, and nothing is used outside the engine's scope.
 
+    Once a GEMM is packed, engine steps no longer read its members' original weights: with ``release``, those
+    are paged out (:meth:`PackedGemm.release`; only pages of a file mapping go, which the kernel reads back from
+    the checkpoint if anything reads them later), and a few-row step of such a GEMM runs on the packed weight
+    instead of ``small_linear`` on the original, so as not to fault it back in.
+
     Attributes:
         model: the model whose linears are packed.
         mode: ``"auto"``, True or False (see :func:`prepack_wanted`).
         fuse: stack sibling linears into one GEMM (False: every linear packed alone).
+        release: page out the members' original weights after each pack (False: they stay resident; default
+            on, ``FLASHPAGE_CPU_PREPACK_RELEASE=0`` turns it off).
         state: "probe" (the next step records), "packed", or "off".
         reason: why packing is on or off.
         gemms: the packed GEMMs.
@@ -450,6 +532,7 @@ class Prepacked:
     model: torch.nn.Module
     mode: bool | str = "auto"
     fuse: bool = True
+    release: bool = field(default_factory=_release_default)
     state: str = "probe"
     reason: str = ""
     gemms: list[PackedGemm] = field(default_factory=list)
@@ -475,9 +558,9 @@ class Prepacked:
         if gemm.weight is None:
             return None
         if len(gemm.sizes) == 1:
-            return _linear_call(x, gemm.weight, gemm.bias)
+            return _packed_call(x, gemm.weight, gemm.bias)
         if index == 0:
-            parts: list[torch.Tensor | None] = list(_linear_call(x, gemm.weight, gemm.bias).split(gemm.sizes, -1))
+            parts: list[torch.Tensor | None] = list(_packed_call(x, gemm.weight, gemm.bias).split(gemm.sizes, -1))
             self._pending = (x, gemm, parts)
             return parts[0]
         pending = self._pending
@@ -485,6 +568,11 @@ class Prepacked:
             return None  # not the input the group's first member computed for: the member's own call
         out, pending[2][index] = pending[2][index], None
         return out
+
+    def paged_out(self, module: torch.nn.Linear) -> bool:
+        """Whether ``module``'s original weight was paged out after its pack (its steps then read the packed one)."""
+        hit = self._by_module.get(id(module))
+        return hit is not None and hit[0].released > 0 and hit[0].weight is not None
 
     def observe(self, module: torch.nn.Linear, x: torch.Tensor) -> None:
         """A linear that ran without the packed weights (a step of few rows): the probe step records it all
@@ -536,8 +624,10 @@ class Prepacked:
         if not wanted:
             self.state = "off"
             return
+        kept, files = self._kept_spans(gemms), cpu_memory.file_mappings()
         for g in gemms:
             g.pack()
+            self._release(g, kept, files)
         self.gemms = gemms
         self._by_module = {id(m): (g, i) for g in gemms for i, m in enumerate(g.members)}
         self._steps_seen = _optimizer_steps()
@@ -553,11 +643,35 @@ class Prepacked:
         self._steps_seen = steps
         self._table = None
         repacked = 0
+        kept, files = self._kept_spans(self.gemms), cpu_memory.file_mappings()
         for g in self.gemms:
             if everything or g.current_key() != g.key:
                 g.pack()
+                self._release(g, kept, files)
                 repacked += 1
         return repacked
+
+    def _release(self, gemm: PackedGemm, kept: list[tuple[int, int]], files: list[tuple[int, int]]) -> None:
+        """After ``gemm`` was packed: page out its originals (with :attr:`release`), and give the heap back the
+        stacked temporary a fused pack freed (else every fused GEMM leaves a hole the steps never fill)."""
+        if self.release:
+            gemm.release(kept, files)
+        if len(gemm.members) > 1 and gemm.weight is not None:
+            cpu_memory.trim_heap()
+
+    def _kept_spans(self, gemms: list[PackedGemm]) -> list[tuple[int, int]]:
+        """Sorted byte ranges of every parameter and buffer other than the weights of ``gemms``' members and of
+        embeddings, each module's own (a weight tied to another module that is not packed is kept). An embedding's
+        weight is not kept: a lookup reads only its tokens' rows (a page or two each), so an LM head tied to it is
+        paged out with the rest and the rows a step looks up come back one by one."""
+        members = {id(m) for g in gemms for m in g.members}
+        spans = []
+        for module in self.model.modules():
+            for name, t in [*module._parameters.items(), *module._buffers.items()]:
+                own = name == "weight" and (id(module) in members or isinstance(module, torch.nn.Embedding))
+                if t is not None and not own and t.device.type == "cpu":
+                    spans.append(_span(t))
+        return sorted(spans)
 
     def fused(self) -> list[tuple[torch.nn.Linear, ...]]:
         """The groups of linears that run as one GEMM."""
@@ -566,6 +680,11 @@ class Prepacked:
     def nbytes(self) -> int:
         """Bytes of the packed copies."""
         return sum(g.nbytes() for g in self.gemms if g.weight is not None)
+
+    def released(self) -> int:
+        """Bytes the resident set shrank by when the packed GEMMs' original weights were paged out (their
+        latest packs): 0 for weights in anonymous memory (a model built in memory or converted on load)."""
+        return sum(g.released for g in self.gemms if g.weight is not None)
 
 
 def _has_onednn_forward(module: torch.nn.Module) -> bool:

@@ -156,3 +156,51 @@ def test_an_unknown_choice_is_refused_and_info_says_so(fresh_state: pytest.Monke
     info = collect_info()
     assert "M_MMAP_THRESHOLD=32 MiB, M_TRIM_THRESHOLD=1 GiB" in info["cpu_malloc"]
     assert "CPU malloc: glibc 2.99: an LLM on CPU sets" in format_info(info)
+
+
+# ------------------------------------------------------------------ page_out: file-backed pages handed back
+def _mapping_rss(path: Path) -> int:
+    """Bytes of ``path``'s mappings resident in this process (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            inside = len(fields) >= 6 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_PAGEOUT): Linux")
+def test_page_out_releases_a_file_backed_tensor_and_it_reads_back(tmp_path: Path) -> None:
+    """A tensor saved with safetensors and mapped privately (as transformers loads a checkpoint in its own
+    dtype): paging it out shrinks that mapping's resident pages, and reading it again gives the same values.
+    An anonymous tensor gains nothing (0 bytes advised)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(2048, 1024)}, str(path))
+    with safe_open(str(path), "pt") as f:
+        want = f.get_tensor("w").clone()  # a copy in anonymous memory
+    with path.open("rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+        offset = json.loads(f.read(header))["w"]["data_offsets"][0] + 8 + header
+    import mmap
+
+    with path.open("rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    t = torch.frombuffer(mapped, dtype=torch.float32, offset=offset, count=want.numel()).view(want.shape)
+    assert torch.equal(t, want)  # every page read: resident
+    before = _mapping_rss(path)
+    assert before >= want.nbytes - 4096
+    advised = cm.page_out([t])
+    if advised == 0:
+        pytest.skip("the kernel refused MADV_PAGEOUT (Linux < 5.4)")
+    assert advised >= want.nbytes - 2 * 4096
+    assert _mapping_rss(path) < before - want.nbytes // 2
+    assert torch.equal(t, want)  # read back from the file
+    assert cm.page_out([want]) == 0  # anonymous memory: not advised
+    del t
+    mapped.close()

@@ -7,8 +7,13 @@ module, whose ``_flashpage_state`` holds the whole patched model, so every probe
 full 2.4 GB Qwen3-0.6B was OOM-killed). Each case runs in a child process of its own and reads its peak RSS
 (``VmHWM``); the bound is
 
-    peak <= the child's peak after its imports + the weights + the KV pool [+ the engine's packed weight copies,
-            the cpu_prepack=True case] + OVERHEAD (1 GiB)
+    peak <= the child's peak after its imports + the weights + the KV pool [+ the engine's packed weight copies
+            - what paging out their originals released, the cpu_prepack=True case] + OVERHEAD (1 GiB)
+
+The cpu_prepack=True case runs on the model saved and loaded back with ``from_pretrained`` (float32 in its own
+dtype: the weights lie in a mapping of the safetensors file), so the engine pages out the packed GEMMs'
+originals: at least the layers' linear weights must be released (the tied LM head's original, the embedding,
+stays, and its copy counts).
 
 and the greedy tokens must equal unpatched transformers' ``generate()`` (one prompt at a time, float32; the
 reference's top-1 / top-2 logit margins are checked so the comparison is decisive). A parent-side watchdog
@@ -100,15 +105,24 @@ def _reference(model: Any, prompts: list[list[int]]) -> tuple[list[list[int]], f
     return tokens, margin
 
 
+def _reload(folder: str) -> Any:
+    """The model saved in ``folder``, loaded by ``from_pretrained`` in its own dtype (file-backed tensors)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype="auto").eval()
+
+
 def _run_llm(model: Any, prompts: list[list[int]], prepack: bool) -> tuple[list[list[int]], dict[str, int]]:
-    """``flashpage.LLM`` on the model with a 64-block pool: its greedy tokens and what it holds (KV, copies)."""
+    """``flashpage.LLM`` on the model with a 64-block pool: its greedy tokens and what it holds (KV, copies,
+    original weights released)."""
     from flashpage import LLM, SamplingParams
 
     llm = LLM(model, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_seqs=2, max_model_len=256,
               max_num_batched_tokens=256, cpu_prepack=prepack)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0), use_tqdm=False)
     held = {"kv": llm.kv.bytes_per_block() * llm.kv.num_blocks,
-            "prepack": llm._prepack.nbytes() if llm._prepack is not None else 0}
+            "prepack": llm._prepack.nbytes() if llm._prepack is not None else 0,
+            "released": llm._prepack.released() if llm._prepack is not None else 0}
     return [list(o.outputs[0].token_ids) for o in outs], held
 
 
@@ -126,7 +140,7 @@ def _run_generate(model: Any, prompts: list[list[int]]) -> tuple[list[list[int]]
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False,
                              pad_token_id=PAD, return_dict_in_generate=True)
     kv = out.past_key_values.kv
-    return out.sequences[:, width:].tolist(), {"kv": kv.bytes_per_block() * kv.num_blocks, "prepack": 0}
+    return out.sequences[:, width:].tolist(), {"kv": kv.bytes_per_block() * kv.num_blocks, "prepack": 0, "released": 0}
 
 
 def measure(case: str) -> dict[str, Any]:
@@ -144,10 +158,19 @@ def measure(case: str) -> dict[str, Any]:
     built = _status_bytes("VmHWM")  # transformers' own peak: building the model, the reference generate()
     if case == "generate":
         got, held = _run_generate(model, prompts)
+    elif case == "llm-prepack":
+        import gc
+
+        with tempfile.TemporaryDirectory(prefix="flashpage-real-shape-") as folder:
+            model.save_pretrained(folder)
+            model = None  # the in-memory weights freed before the file's are mapped
+            gc.collect()
+            model = _reload(folder)  # the mapping outlives the file's name
+        got, held = _run_llm(model, prompts, prepack=True)
     else:
-        got, held = _run_llm(model, prompts, prepack=case == "llm-prepack")
+        got, held = _run_llm(model, prompts, prepack=False)
     peak = _status_bytes("VmHWM")
-    bound = baseline + weights + held["kv"] + held["prepack"] + OVERHEAD
+    bound = baseline + weights + held["kv"] + held["prepack"] - held["released"] + OVERHEAD
     return {"case": case, "peak": peak, "bound": bound, "baseline": baseline, "built": built, "weights": weights,
             **held,
             "overhead": OVERHEAD, "ref": ref, "got": got, "margin": margin}
@@ -192,13 +215,18 @@ def _gib(n: int) -> str:
 def test_peak_rss_at_a_real_width_is_weights_plus_pool(case: str) -> None:
     result, output = _watched(case)
     assert result is not None, f"{case}: the child gave no result\n{output[-4000:]}"
-    parts = ", ".join(f"{k} {_gib(result[k])}" for k in ("baseline", "weights", "kv", "prepack", "overhead"))
+    parts = ", ".join(f"{k} {_gib(result[k])}" for k in ("baseline", "weights", "kv", "prepack", "released",
+                                                               "overhead"))
     print(f"{case}: peak {_gib(result['peak'])} (before flashpage {_gib(result['built'])}), "
           f"bound {_gib(result['bound'])} ({parts})")
     assert result["peak"] <= result["bound"], f"{case}: peak RSS {_gib(result['peak'])} > {_gib(result['bound'])} " \
                                               f"= {parts}"
     assert result["margin"] > MIN_MARGIN, f"the reference's greedy is not decisive (margin {result['margin']})"
     assert result["got"] == result["ref"], f"{case}: tokens differ from transformers' greedy generate()"
+    if case == "llm-prepack":  # the 2 layers' linear weights (all but the tied LM head) paged out, most of them
+        layers = LAYERS * 4 * (QWEN3_06B["hidden_size"] * (2 * 16 * 128 + 2 * 8 * 128)
+                               + 3 * QWEN3_06B["hidden_size"] * QWEN3_06B["intermediate_size"])
+        assert result["released"] > 0.8 * layers, f"released {_gib(result['released'])} of {_gib(layers)}"
 
 
 def test_llm_and_generate_deep_copy_no_patched_module(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,149 @@
+"""The packed GEMMs' original weights paged out (engine/linears.py ``Prepacked.release``): an LLM on a saved
+float32 checkpoint (weights in a private mapping of the file) releases them after packing, computes the same
+tokens as with them kept and as transformers, runs steps of one to four rows on the packed weights (so the
+originals stay out), repacks and releases again after a weight update; an LM head tied to the embedding is
+released too (a lookup reads only its tokens' rows), and the tokens stay the same."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import assert_matches_hf, random_prompts
+from model_zoo import tiny_model
+
+from flashpage import LLM, SamplingParams, cpu_memory
+from flashpage.engine import linears
+from flashpage.patches import unpatch
+
+pytestmark = [pytest.mark.skipif(not linears.onednn_available(), reason="this torch has no oneDNN linear"),
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_PAGEOUT): Linux"),
+              pytest.mark.usefixtures("one_thread")]
+
+# weights of 1-2 MiB each: the kernel pages out whole (large) folios of the file, which a weight of a few pages
+# may share with its neighbours
+WIDE = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=8)
+TAIL = [2, 3, 5, 6, 8, 10]  # max_tokens per request: the run's last steps have 4, 3, 2 then 1 rows
+
+
+def _saved(tmp_path: Path, tied: bool) -> Path:
+    model = tiny_model("llama", seed=9, tie_word_embeddings=tied, max_position_embeddings=512, **WIDE)
+    model.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _params() -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in TAIL]
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list:
+    return [o.outputs[0] for o in llm.generate(prompts, _params(), use_tqdm=False)]
+
+
+def _llm(path: Path, release: bool) -> LLM:
+    """LLM on the checkpoint as ``from_pretrained`` loads it (float32: its tensors in a mapping of the file)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
+    llm = LLM(model, max_num_seqs=len(TAIL), cpu_prepack=True)
+    llm._prepack.release = release
+    return llm
+
+
+def _same(a: list, b: list) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        for p, q in zip(x.logprobs, y.logprobs, strict=True):
+            assert abs(p.logprob - q.logprob) < 1e-4
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_released_originals_same_tokens_and_few_rows_on_the_packs(tmp_path, monkeypatch, tied):
+    path = _saved(tmp_path, tied)
+    prompts = random_prompts(len(TAIL), 3, 30, seed=4)
+    kept = _llm(path, release=False)
+    try:
+        ref = _generate(kept, prompts)
+        assert kept._prepack.released() == 0 and not any(kept._prepack.paged_out(m) for m in kept.model.modules())
+    finally:
+        unpatch(kept.model)
+    del kept  # its mapping of the file: the kernel pages out no page that two mappings share
+    gc.collect()
+    advised: list[int] = []
+    page_out = cpu_memory.page_out
+    monkeypatch.setattr(cpu_memory, "page_out",
+                        lambda ts, files=None: advised.extend(t.data_ptr() for t in ts) or page_out(ts, files))
+    few: list[torch.nn.Linear] = []
+    few_rows = linears._few_rows
+    monkeypatch.setattr(linears, "_few_rows", lambda m, x: few.append(m) or few_rows(m, x))
+    packed_rows: list[int] = []
+    packed_call = linears._packed_call
+    monkeypatch.setattr(linears, "_packed_call",
+                        lambda x, w, b: packed_rows.append(x.numel() // x.shape[-1]) or packed_call(x, w, b))
+    llm = _llm(path, release=True)
+    model = llm.model
+    try:
+        got = _generate(llm, prompts)
+        packs = llm._prepack
+        assert packs.state == "packed" and packs.released() > 0, "the saved checkpoint's weights were not released"
+        embed = model.model.embed_tokens.weight
+        assert model.lm_head.weight.data_ptr() in advised  # tied or not: a lookup reads only its tokens' rows
+        assert (embed.data_ptr() in advised) is tied  # an untied embedding is no packed GEMM's: never advised
+        layer = model.model.layers[1]
+        assert packs.paged_out(layer.mlp.gate_proj) and packs.paged_out(layer.self_attn.q_proj)
+        _same(got, ref)
+        from safetensors import safe_open
+
+        with safe_open(str(path / "model.safetensors"), "pt") as f:  # the paged-out original reads back the same
+            assert torch.equal(model.model.layers[0].mlp.down_proj.weight.detach(),
+                               f.get_tensor("model.layers.0.mlp.down_proj.weight"))
+        few.clear()  # the probe step ran every linear's small-row kernel; since, only those not paged out
+        packed_rows.clear()
+        got = _generate(llm, prompts)
+        assert not any(packs.paged_out(m) for m in few)
+        assert {1, 2, 3, 4} <= set(packed_rows)  # the run's tail: steps of 4, 3, 2 and 1 rows on the packs
+        _same(got, ref)
+        # a weight update in place, then a repack of what changed and its release (the written pages stay)
+        with torch.no_grad():
+            layer.self_attn.k_proj.weight.mul_(1.5)
+            layer.mlp.up_proj.weight[:8].add_(0.01)  # a few pages written, the rest still the file's
+        advised.clear()
+        got = _generate(llm, prompts)
+        assert layer.self_attn.q_proj.weight.data_ptr() in advised and layer.mlp.gate_proj.weight.data_ptr() in advised
+        assert model.model.layers[0].mlp.gate_proj.weight.data_ptr() not in advised  # not repacked
+        assert packs.paged_out(layer.mlp.gate_proj)  # its fused group kept most of its pages the file's
+    finally:
+        unpatch(model)
+    for prompt, out, n in zip(prompts, got, TAIL, strict=True):
+        assert_matches_hf(model, [prompt], [out], n, eos=False)
+    plain = LLM(model, max_num_seqs=len(TAIL), cpu_prepack=False)
+    try:
+        _same(got, _generate(plain, prompts))
+    finally:
+        unpatch(model)
+
+
+def test_padded_packed_calls_match_the_plain_gemm():
+    """A packed call of one to three rows runs zero-padded to PACKED_MIN_ROWS rows: the rows asked for, same
+    values as F.linear (float32 rounding)."""
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, linears.PACK_BATCH_HINT)
+    for shape in [(1, 24), (2, 24), (1, 3, 24), (1, 1, 24), (5, 24), (2, 4, 24)]:
+        x = torch.randn(*shape, generator=gen)
+        got = linears._packed_call(x, packed, b)
+        assert got.shape == (*shape[:-1], 40)
+        assert torch.allclose(got, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5), shape
+
+
+def test_bench_small_rows_runs():
+    from flashpage.bench import linears as bench
+    from flashpage.kernels import cpu_fused
+
+    if cpu_fused.load() is None:
+        pytest.skip("no C++ compiler here: no small-M kernel to compare with")
+    row = bench.measure_small_rows("o", 2, layers=1, repeats=1)
+    assert row is not None and min(row.small_us, row.packed_us, row.padded_us) > 0

@@ -12,8 +12,8 @@ full 2.4 GB Qwen3-0.6B was OOM-killed). Each case runs in a child process of its
 
 The cpu_prepack=True case runs on the model saved and loaded back with ``from_pretrained`` (float32 in its own
 dtype: the weights lie in a mapping of the safetensors file), so the engine pages out the packed GEMMs'
-originals: at least the layers' linear weights must be released (the tied LM head's original, the embedding,
-stays, and its copy counts).
+originals: at least the layers' linear weights must be released (a tied LM head's original, the embedding, is
+released too; a lookup reads back only its tokens' rows).
 
 and the greedy tokens must equal unpatched transformers' ``generate()`` (one prompt at a time, float32; the
 reference's top-1 / top-2 logit margins are checked so the comparison is decisive). A parent-side watchdog

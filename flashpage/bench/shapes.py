@@ -231,7 +231,7 @@ def covering_tokenizer(vocab_size: int) -> dict[str, Any]:
     data = json.loads((tiny_model_path() / TOKENIZER_FILE).read_text())
     vocab: dict[str, int] = data["model"]["vocab"]
     taken = set(vocab) | {t["content"] for t in data.get("added_tokens", [])}
-    used_ids = set(vocab.values()) | {int(t["id"]) for t in data.get("added_tokens", [])}
+    used_ids = _token_ids(data)
     index = 0
     for token_id in range(vocab_size):
         if token_id in used_ids:
@@ -250,9 +250,12 @@ def _covers(folder: Path, vocab_size: int) -> bool:
     path = folder / TOKENIZER_FILE
     if not path.is_file():
         return False
-    data = json.loads(path.read_text())
-    ids = set(data["model"]["vocab"].values()) | {int(t["id"]) for t in data.get("added_tokens", [])}
-    return len(ids) >= vocab_size
+    return len(_token_ids(json.loads(path.read_text()))) >= vocab_size
+
+
+def _token_ids(data: dict[str, Any]) -> set[int]:
+    """The ids a ``tokenizer.json`` gives text: its model's vocabulary and its added tokens."""
+    return set(data["model"]["vocab"].values()) | {int(t["id"]) for t in data.get("added_tokens", [])}
 
 
 def _save_tokenizer(folder: Path, vocab_size: int) -> None:

@@ -30,16 +30,15 @@ a layer's four GEMMs, packed (padded) / small_linear on the originals: one row 1
 bfloat16 / float16 linears (the dtype checkpoints ship in) take the same scoped forward: a step of at most
 :data:`HALF_SMALL_ROWS` rows runs ``small_linear`` in half precision (float32 sums of exact products, one rounding;
 AVX-512 BF16 ``vdpbf16ps`` where the CPU has it), everything else ``F.linear`` (torch's bfloat16 GEMM, oneDNN).
-Measured, 1 thread, AMD EPYC (Zen 4) with avx512_bf16 (a shared machine: thread CPU time, best of 5 alternating
-rounds), the Qwen3-0.6B shape's q/k/v, o, gate/up and down weights x 8 layers plus its LM head (151936 x 1024),
-bf16, streamed from memory, F.linear / small_linear time: one row 1.96x, eight 1.95x, 20 1.50x, 32 1.30x, 48 1.19x,
-64 1.11x, 80 1.07x, 96 1.05x, 128 1.01x: hence :data:`HALF_SMALL_ROWS` 96 (it was 32 before the kernel's weight
-prefetch went to L2 (T1; into L1 it evicted the tile's own rows: 1.1-1.7x), its main loop took plain loads (masked
-ones: 1.12-1.15x slower) and its tiles 4 x 6 (1.05x)). In cache the kernel runs about 155 GF/s before those
-changes, F.linear 170-210 GF/s at 64-2048 rows, oneDNN with packed weights 5-15% more than F.linear (217 GF/s at
-2048 rows); a packed copy of a weight that stays resident is the weight's size again (the memory goal is weights +
-KV pool + 1 GiB), so half-precision weights are never packed (``_packable``: float32 only) and never copied to
-float32.
+Measured, 1 thread, AMD EPYC (Zen 4) with avx512_bf16 (thread CPU time, best of 5 alternating rounds, a quiet host),
+the Qwen3-0.6B shape's q/k/v, o, gate/up and down weights x 8 layers, bf16, streamed from memory, F.linear /
+small_linear time: one row 2.08x, eight 1.81x, 32 1.37x, 96 1.10x, 128 1.05x, 192 1.02x, 256 1.00x, 512 0.99x:
+hence :data:`HALF_SMALL_ROWS` 192. The kernel ran 159-179 GF/s at 32-128 rows before its accumulators' lanes were
+added by transposing trees and its rows taken in passes that fit L2 (``half_linear.h``), 174-208 GF/s at 32-512
+rows since; oneDNN with packed weights (what vLLM's CPU backend runs) is 2-5% faster than it at 96-512 rows and
+slower at 32 rows and fewer. A packed copy of a weight that stays resident is the weight's size again (the memory
+goal is weights + KV pool + 1 GiB), so half-precision weights are never packed (``_packable``: float32 only) and
+never copied to float32.
 
 Packed and fused weights (:class:`Prepacked`, ``LLM(cpu_prepack=...)``): as vLLM's CPU backend, the
 engine keeps each weight in oneDNN's blocked layout (packed once, not reordered on every call), and
@@ -84,7 +83,7 @@ _STATE = threading.local()
 ENV = "FLASHPAGE_CPU_LINEAR"
 SMALL_ROWS = 4  # steps of at most this many rows skip oneDNN (see the module docstring); 0: never (an A/B switch)
 # bfloat16 / float16 steps of at most this many rows take the C++ small-M kernel (see the module docstring); 0: never
-HALF_SMALL_ROWS = 96
+HALF_SMALL_ROWS = 192
 PACKED_MIN_ROWS = 4  # a packed GEMM's call of fewer rows runs zero-padded to this many (see _packed_call)
 _HALF = (torch.bfloat16, torch.float16)
 

@@ -63,13 +63,14 @@ def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @SETTINGS
-@given(rows=st.sampled_from([1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 20, 31, 32, 33, 47, 48, 64, 95, 96]),
-       k=st.sampled_from([1, 7, 16, 31, 32, 33, 100, 1024]),
+@given(rows=st.sampled_from([1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 20, 31, 32, 33, 47, 48, 64, 95, 96, 129, 193]),
+       k=st.sampled_from([1, 7, 16, 31, 32, 33, 100, 1024, 3072, 5000]),
        n=st.sampled_from([1, 3, 4, 5, 64, 65, 130]), bias=st.booleans(), dtype=st.sampled_from(HALF),
        seed=st.integers(0, 999))
 def test_small_linear_matches_float64(ops, rows, k, n, bias, dtype, seed):
     """float32 sums of exact products, rounded once: |err| <= eps/2 |want| (the rounding) + float32's summation
-    error (k * 2^-24 * |x| @ |w|^T, bounded loosely)."""
+    error (k * 2^-24 * |x| @ |w|^T, bounded loosely). Rows past 128 (at k 1024) and past 40 (at k 3072) run in
+    several passes of rows (the kernel keeps a pass's rows in L2)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
@@ -77,6 +78,25 @@ def test_small_linear_matches_float64(ops, rows, k, n, bias, dtype, seed):
     want = x.double() @ w.double().T + (b.double() if b is not None else 0)
     got = cpu_fused.small_linear(ops, x, w, b)
     assert got.dtype == dtype and got.shape == (rows, n)
+    bound = _eps(dtype) / 2 * want.abs() + k * 2**-22 * (x.double().abs() @ w.double().abs().T) + _sub(dtype)
+    assert bool(((got.double() - want).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize(("rows", "k"), [(200, 3072), (257, 1024), (130, 5000)])
+def test_small_linear_passes_of_rows(ops, rows, k, dtype):
+    """Many rows run in passes of rows that fit L2 (40 at k 3072, 128 at k 1024, 24 at k 5000): each pass is what
+    a call of just its rows gives (same tiles, same sums, bias added once), and every row is within the bound."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(70, k, generator=g) * 0.1).to(dtype)
+    b = torch.randn(70, generator=g).to(dtype)
+    got = cpu_fused.small_linear(ops, x, w, b)
+    chunk = max(4, (128 << 10) // k // 4 * 4)
+    for start in sorted({0, chunk, (rows - 1) // chunk * chunk}):
+        part = slice(start, min(rows, start + chunk))
+        assert torch.equal(got[part], cpu_fused.small_linear(ops, x[part].contiguous(), w, b))
+    want = x.double() @ w.double().T + b.double()
     bound = _eps(dtype) / 2 * want.abs() + k * 2**-22 * (x.double().abs() @ w.double().abs().T) + _sub(dtype)
     assert bool(((got.double() - want).abs() <= bound).all())
 

@@ -113,4 +113,29 @@ __attribute__((always_inline)) inline __m512 sum16x16(const __m512* v) {
   const __m512 d = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c0, c1)), _mm512_castpd_ps(_mm512_unpackhi_pd(c0, c1)));
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), d);
 }
+
+// out[i] = the sum of v[i]'s 16 lanes, i < 4: 9 shuffles and 7 adds (4 horizontal reductions take about 32).
+__attribute__((always_inline)) inline __m128 sum4x16(const __m512* v) {
+  // per 128-bit lane: [v0 0+2, v1 0+2, v0 1+3, v1 1+3], the same for v2, v3
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
+  // per 128-bit lane: [v0, v1, v2, v3] (that lane's four elements added)
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// sums[i] = the sum of v[i]'s 16 lanes, i < N: sixteen at a time, then four, then one by one.
+template <int N>
+__attribute__((always_inline)) inline void lane_sums(const __m512* v, float* sums) {
+  int i = 0;
+#pragma GCC unroll 4
+  for (; i + 16 <= N; i += 16) _mm512_storeu_ps(sums + i, sum16x16(v + i));
+#pragma GCC unroll 4
+  for (; i + 4 <= N; i += 4) _mm_storeu_ps(sums + i, sum4x16(v + i));
+#pragma GCC unroll 4
+  for (; i < N; ++i) sums[i] = _mm512_reduce_add_ps(v[i]);
+}
 #endif

@@ -92,20 +92,38 @@ def _active() -> bool:
     return getattr(_STATE, "depth", 0) > 0
 
 
+def _resolve_linear_pointwise() -> Any:
+    """oneDNN's linear op as the hot path calls it: its ``default`` overload, bound once (a call through the
+    overload packet picks the overload again on every call; both run the same kernel); the packet where this torch
+    has no ``default`` overload; a late lookup where it has no such op (never called then: see
+    :func:`onednn_available`)."""
+    packet = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if packet is None:
+        return lambda *args: torch.ops.mkldnn._linear_pointwise(*args)
+    return getattr(packet, "default", packet)
+
+
+_LINEAR_POINTWISE = _resolve_linear_pointwise()
+_FLOAT32 = torch.float32
+_is_compiling = torch.compiler.is_compiling
+
+
 def _linear_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., in) through oneDNN's linear with ``weight`` (plain (out, in) or packed): (..., out)."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return _LINEAR_POINTWISE(x.contiguous(), weight, bias, "none", [], "")
 
 
 def _packed_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """:func:`_linear_call` on a packed weight; fewer than :data:`PACKED_MIN_ROWS` rows run zero-padded to that
     many (the padding rows' outputs dropped): oneDNN's one- and two-row calls on a packed weight are slower than
     its four-row one (see the module docstring)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 0 < rows < PACKED_MIN_ROWS:
-        return _linear_call(x, weight, bias)
-    flat = x.reshape(rows, x.shape[-1])
-    padded = torch.cat([flat, flat.new_zeros(PACKED_MIN_ROWS - rows, x.shape[-1])])
+    width = x.shape[-1]
+    numel = x.numel()
+    if numel >= PACKED_MIN_ROWS * width or not numel:  # rows = numel // width not in 1 .. PACKED_MIN_ROWS - 1
+        return _LINEAR_POINTWISE(x.contiguous(), weight, bias, "none", [], "")
+    rows = numel // width
+    flat = x.reshape(rows, width)
+    padded = torch.cat([flat, flat.new_zeros(PACKED_MIN_ROWS - rows, width)])
     return _linear_call(padded, weight, bias)[:rows].reshape(*x.shape[:-1], -1)
 
 
@@ -113,10 +131,11 @@ def _few_rows(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
     """(..., in) with at most SMALL_ROWS rows -> (..., out) through the C++ small-M kernel (once the fused ops are
     loaded), or F.linear (MKL's GEMV) for one row; None: the caller's oneDNN call."""
     ops = cpu_fused.loaded()
-    if ops is not None and module.weight.is_contiguous():
-        return ops.small_linear(x, module.weight, module.bias)
+    weight = module.weight
+    if ops is not None and weight.is_contiguous():
+        return ops.small_linear(x, weight, module.bias)
     if x.numel() == x.shape[-1]:
-        return F.linear(x, module.weight, module.bias)
+        return F.linear(x, weight, module.bias)
     return None
 
 
@@ -137,25 +156,27 @@ def _half_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """(..., in) -> (..., out): oneDNN inside an engine step on this thread (traced: inside a compiled
     engine step, as an opaque op), else F.linear."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         if _COMPILED_ONEDNN and x.dtype == torch.float32:
             return onednn_linear_op(x, self.weight, self.bias)
-    elif _active() and x.dtype in _HALF:
-        return _half_forward(self, x)
-    elif _active() and x.dtype == torch.float32:
-        packs = _STATE.packs
-        # decodes of one to a few sequences: no oneDNN call overhead, unless the original weight was paged out
-        if x.numel() <= SMALL_ROWS * x.shape[-1] and (packs is None or not packs.paged_out(self)):
-            out = _few_rows(self, x)
-            if out is not None:
-                if packs is not None:
-                    packs.observe(self, x)  # a probe step still learns the siblings (and packs after it)
-                return out
-        if packs is not None:
-            out = packs.linear(self, x)
-            if out is not None:
-                return out
-        return _linear_call(x, self.weight, self.bias)
+    elif getattr(_STATE, "depth", 0) > 0:  # _active()
+        dtype = x.dtype
+        if dtype is _FLOAT32:
+            packs = _STATE.packs
+            # decodes of one to a few sequences: no oneDNN call overhead, unless the original weight was paged out
+            if x.numel() <= SMALL_ROWS * x.shape[-1] and (packs is None or not packs.paged_out(self)):
+                out = _few_rows(self, x)
+                if out is not None:
+                    if packs is not None:
+                        packs.observe(self, x)  # a probe step still learns the siblings (and packs after it)
+                    return out
+            if packs is not None:
+                out = packs.linear(self, x)
+                if out is not None:
+                    return out
+            return _LINEAR_POINTWISE(x.contiguous(), self.weight, self.bias, "none", [], "")  # _linear_call
+        if dtype in _HALF:
+            return _half_forward(self, x)
     return F.linear(x, self.weight, self.bias)
 
 
@@ -550,34 +571,46 @@ class Prepacked:
         """(..., in) -> (..., out) through the packed weights, or None: the caller runs it unpacked."""
         hit = self._by_module.get(id(module))
         if hit is None:
-            if self._probe is not None:
-                self._probe.record(module, x)
+            probe = self._probe
+            if probe is not None:
+                probe.record(module, x)
             return None
         gemm, index = hit
-        if gemm.weight is None:
+        weight = gemm.weight
+        if weight is None:
             return None
-        if len(gemm.sizes) == 1:
-            return _packed_call(x, gemm.weight, gemm.bias)
-        if index == 0:
-            parts: list[torch.Tensor | None] = list(_packed_call(x, gemm.weight, gemm.bias).split(gemm.sizes, -1))
+        if index == 0:  # a single linear, or a fused group's first member: its GEMM runs
+            sizes = gemm.sizes
+            if len(sizes) == 1:
+                return _packed_call(x, weight, gemm.bias)
+            # Tensor.split's own op for a tuple of sizes, without its Python wrapper
+            parts: list[torch.Tensor | None] = list(_packed_call(x, weight, gemm.bias).split_with_sizes(sizes, -1))
             self._pending = (x, gemm, parts)
             return parts[0]
         pending = self._pending
-        if pending is None or pending[0] is not x or pending[1] is not gemm or pending[2][index] is None:
+        if pending is None or pending[0] is not x or pending[1] is not gemm:
             return None  # not the input the group's first member computed for: the member's own call
-        out, pending[2][index] = pending[2][index], None
+        parts = pending[2]
+        out = parts[index]
+        if out is None:
+            return None  # already handed out on this input: the member's own call
+        parts[index] = None
         return out
 
     def paged_out(self, module: torch.nn.Linear) -> bool:
         """Whether ``module``'s original weight was paged out after its pack (its steps then read the packed one)."""
         hit = self._by_module.get(id(module))
-        return hit is not None and hit[0].released > 0 and hit[0].weight is not None
+        if hit is None:
+            return False
+        gemm = hit[0]
+        return gemm.released > 0 and gemm.weight is not None
 
     def observe(self, module: torch.nn.Linear, x: torch.Tensor) -> None:
         """A linear that ran without the packed weights (a step of few rows): the probe step records it all
         the same, so what is packed, and when, does not depend on the first step's size."""
-        if self._probe is not None:
-            self._probe.record(module, x)
+        probe = self._probe
+        if probe is not None:
+            probe.record(module, x)
 
     def begin_step(self) -> None:
         """Called before a scoped step: the first one records the probe."""

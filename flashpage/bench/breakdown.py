@@ -173,7 +173,7 @@ def run(workload: str = "mixed", model_name: str | None = None, quick: bool = Fa
         unpatch(bm.model)
     totals = attribute(prof.events(), profiled_s * 1e6)
     vllm = _vllm_breakdown(vllm_python, bm, work, block_size, seed) if vllm_python else None
-    return {"vllm": vllm,"bench": "breakdown", "workload": workload, "workload_description": work.description,
+    return {"vllm": vllm, "bench": "breakdown", "workload": workload, "workload_description": work.description,
             "model": bm.name,
             "dtype": str(next(bm.model.parameters()).dtype).removeprefix("torch."), "quick": quick,
             "threads": torch.get_num_threads(), "load_average_1m": load_average(),
@@ -195,7 +195,7 @@ def _vllm_breakdown(python: str, bm: Any, work: Any, block_size: int, seed: int)
     with tempfile.TemporaryDirectory(prefix="flashpage-breakdown-") as tmp:
         model_dir = str(Path(tmp) / "model")
         bm.model.save_pretrained(model_dir)
-        max_len = int(getattr(bm.model.config, "max_position_embeddings", 2048))
+        max_len = vs_vllm.workload_max_model_len(bm, work, block_size, seed)
         spec = vs_vllm.make_spec(bm, work, settings, model_dir, _pool_blocks(work, block_size), max_len, seed,
                                  profile=True)
         out = vs_vllm.run_vllm(python, spec, Path(tmp))

@@ -169,6 +169,16 @@ def run_vllm(python: str, spec: dict[str, Any], workdir: Path, timeout: float = 
     return json.loads(out_path.read_text())
 
 
+def workload_max_model_len(bm: Any, work: Any, block_size: int, seed: int) -> int:
+    """Both engines' ``max_model_len``: the model's positions, at most the workload's longest request (warm-up
+    included) rounded up to a block. vLLM refuses a max_model_len its KV pool cannot hold one sequence of, with a
+    margin, and real configs say 40960 positions or more."""
+    positions = int(getattr(bm.model.config, "max_position_embeddings", 2048))
+    longest = max([len(p) + m for p, m in zip(work.prompts, work.max_tokens, strict=True)]
+                  + [len(p) + 4 for p in _warm_prompts(bm.vocab_size, seed)])  # the warm-up's 4 tokens
+    return min(positions, -(-longest // block_size) * block_size)
+
+
 def make_spec(bm: Any, work: Any, settings: Settings, model_dir: str, num_blocks: int, max_model_len: int,
               seed: int = 0, profile: bool = False) -> dict[str, Any]:
     """What vllm_runner.py reads: the checkpoint, the requests and the settings (see its docstring)."""
@@ -209,12 +219,7 @@ def run(vllm_python: str | None, workload: str = "mixed", model_name: str | None
     bm, shape = load_model(model_name, quick, seed, model_shape, dtype, num_layers)
     work = make_workload(workload, bm.vocab_size, quick=quick, seed=seed)
     num_blocks = _pool_blocks(work, settings.block_size)
-    # both engines: the model's positions, at most the workload's longest request rounded up to a block (vLLM
-    # refuses a max_model_len its KV pool cannot hold one sequence of, with a margin: real configs say 40960+)
-    positions = int(getattr(bm.model.config, "max_position_embeddings", 2048))
-    longest = max([len(p) + m for p, m in zip(work.prompts, work.max_tokens, strict=True)]
-                  + [len(p) + 4 for p in _warm_prompts(bm.vocab_size, seed)])  # the warm-up's 4 tokens
-    max_model_len = min(positions, -(-longest // settings.block_size) * settings.block_size)
+    max_model_len = workload_max_model_len(bm, work, settings.block_size, seed)
     threads_before = torch.get_num_threads()
     _log(f"model: {bm.name}; workload {workload}: {work.description}; vLLM {version}")
     with tempfile.TemporaryDirectory(prefix="flashpage-vs-vllm-") as tmp:

@@ -6,8 +6,8 @@
 //   products per vdpbf16ps (each bfloat16 product is exact in float32, summed in float32), up to 24 accumulators in
 //   registers (4 x 6 measured 5% faster than 4 x 4; 6 x 4, 5 x 4 and 8 x 3 no faster than 4 x 4), their lanes added
 //   by transposing trees (lane_sums in half.h: 16 horizontal reductions cost ~130 instructions, one tree ~45);
-//   measured at Qwen3-0.6B's widths (8 layers' weights streamed, 1 thread, AMD EPYC Zen 4), the trees took the
-//   kernel from 159-179 to 187-209 GF/s at 32-1024 rows; the passes of rows from 199 to 207 GF/s at 1024 rows;
+//   measured at Qwen3-0.6B's widths (8 layers' weights streamed, 1 thread, AMD EPYC Zen 4), the trees and the passes
+//   of rows took the kernel from 159-185 to 174-208 GF/s at 32-1024 rows (engine/linears.py has the comparison);
 // - bfloat16 / float16 on an AVX-512 build without it: the same tiles, 16 halves widened to float32 and FMA'd;
 // - otherwise: rows widened to float32 once, then float32 dot products (dot() in common.h).
 // Included by cpu_fused.cpp (after common.h and half.h).

@@ -120,7 +120,7 @@ def _packed_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     width = x.shape[-1]
     numel = x.numel()
     if numel >= PACKED_MIN_ROWS * width or not numel:  # rows = numel // width not in 1 .. PACKED_MIN_ROWS - 1
-        return _LINEAR_POINTWISE(x.contiguous(), weight, bias, "none", [], "")
+        return _linear_call(x, weight, bias)
     rows = numel // width
     flat = x.reshape(rows, width)
     padded = torch.cat([flat, flat.new_zeros(PACKED_MIN_ROWS - rows, width)])
@@ -159,7 +159,7 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if _is_compiling():
         if _COMPILED_ONEDNN and x.dtype == torch.float32:
             return onednn_linear_op(x, self.weight, self.bias)
-    elif getattr(_STATE, "depth", 0) > 0:  # _active()
+    elif _active():
         dtype = x.dtype
         if dtype is _FLOAT32:
             packs = _STATE.packs
@@ -174,7 +174,7 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
                 out = packs.linear(self, x)
                 if out is not None:
                     return out
-            return _LINEAR_POINTWISE(x.contiguous(), self.weight, self.bias, "none", [], "")  # _linear_call
+            return _linear_call(x, self.weight, self.bias)
         if dtype in _HALF:
             return _half_forward(self, x)
     return F.linear(x, self.weight, self.bias)
@@ -300,12 +300,12 @@ def compiled_scope(enabled: bool = True, packs: Prepacked | None = None) -> Iter
 # never slower than the plain weight, so one pack serves decode and prefill steps alike.
 PREPACK_ENV = "FLASHPAGE_CPU_PREPACK"
 RELEASE_ENV = "FLASHPAGE_CPU_PREPACK_RELEASE"  # "0": keep the packed GEMMs' original weights resident
+PACK_BATCH_HINT = 32
+AUTO_MEMORY_SHARE = 0.25  # "auto" packs when the copies take at most this share of available memory
 
 
 def _release_default() -> bool:
     return os.environ.get(RELEASE_ENV, "1") != "0"
-PACK_BATCH_HINT = 32
-AUTO_MEMORY_SHARE = 0.25  # "auto" packs when the copies take at most this share of available memory
 
 
 def _prepack_env() -> tuple[str | None, str]:

@@ -141,7 +141,7 @@ def store_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: t
             or not (k_pages.is_contiguous() and v_pages.is_contiguous())
             or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))):
         return False
-    if not (load() is not None if loaded is None else loaded):
+    if not (loaded if loaded is not None else load() is not None):
         return False
     torch.ops.flashpage_cpu.store_kv(k_pages, v_pages, k, v, slots)
     return True

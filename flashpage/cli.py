@@ -353,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_serve(bsub)
     b = bsub.add_parser("shapes", help="the real-shape model zoo (published configs, random weights) for --model-shape")
     b.add_argument("--json", action="store_true", help="print JSON")
-    b = bsub.add_parser("memory", help="peak RSS of LLM, patched and unpatched generate() (and vLLM) on one checkpoint")
+    b = bsub.add_parser("memory", help="peak RSS of LLM, serve, patched and unpatched generate() (and vLLM) "
+                                       "on one checkpoint")
     _add_model(b, "the qwen3-0.6b shape, saved once")
     _add_model_shape(b)
     b.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",

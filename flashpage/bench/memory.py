@@ -6,11 +6,14 @@ checkpoint with ``from_pretrained`` as a user would and runs the same greedy req
 - ``transformers``: unpatched batched ``generate()`` (its dynamic cache), the floor to compare with;
 - ``flashpage-generate``: ``flashpage.patch(model)`` and the same ``generate()`` on the paged cache;
 - ``flashpage-llm``: ``flashpage.LLM(path)`` with a KV pool of ``--kv-cache-memory`` bytes;
+- ``flashpage-serve``: ``flashpage serve`` (its HTTP front and its engine process) with the same pool and
+  settings, the requests sent by this process as token ids to ``/v1/completions`` (all at once), so the
+  client is not in the measured tree; its texts are compared with transformers' tokens decoded;
 - ``vllm`` (``--vllm-python PATH``): vLLM's offline ``LLM`` with the same pool, in its own interpreter
   (``bench/vllm_runner.py``).
 
-The parent samples the resident set of each case's whole process tree (vLLM starts an engine process)
-every 20 ms and reports its peak, beside the checkpoint's weight bytes and the KV pool, and
+The parent samples the resident set of each case's whole process tree (vLLM and ``flashpage serve`` start
+an engine process) every 20 ms and reports its peak, beside the checkpoint's weight bytes and the KV pool, and
 ``overhead = peak - weights - pool`` (the interpreter, imports, activations and allocator slack
 included; for ``LLM`` on float32 weights, its oneDNN-packed copies less what paging out the originals of a
 file-backed checkpoint released: the report prints both). The model is a saved real-shape checkpoint
@@ -19,17 +22,22 @@ file-backed checkpoint released: the report prints both). The model is a saved r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-CASES = ("transformers", "flashpage-generate", "flashpage-llm")
+CASES = ("transformers", "flashpage-generate", "flashpage-llm", "flashpage-serve")
+SERVE = "flashpage-serve"
 POLL_S = 0.02
 
 
@@ -61,6 +69,7 @@ class CaseResult:
     error: str = ""
     packed: int = 0  # bytes of LLM's oneDNN-packed weight copies (in the peak)
     released: int = 0  # bytes the resident set shrank by when LLM paged out the packed GEMMs' original weights
+    texts: list[str] = field(default_factory=list)  # flashpage-serve: the completions' texts (no token ids)
 
 
 # ---------------------------------------------------------------------------------------------- children
@@ -113,6 +122,10 @@ def _batched_generate(model: Any, prompts: list[list[int]], max_tokens: int) -> 
 
 # ----------------------------------------------------------------------------------------------- parent
 def _tree_rss(pid: int) -> int:
+    """Bytes: the resident sets of ``pid`` and its descendants added up, less any child that is a fork not yet
+    turned into its program (its command line still its parent's): until it execs, such a child's resident pages
+    are its parent's (``subprocess`` starts a child by vfork or fork, then exec), and counting them again would
+    report the parent twice for that moment (``flashpage serve`` starting its engine process)."""
     import psutil
 
     try:
@@ -123,30 +136,106 @@ def _tree_rss(pid: int) -> int:
     total = 0
     for p in procs:
         try:
+            parent = p.parent() if p.pid != pid else None
+            if parent is not None and p.cmdline() == parent.cmdline():
+                continue
             total += p.memory_info().rss
         except psutil.Error:
             pass
     return total
 
 
+def _child_env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
+            "OMP_NUM_THREADS": "1"}
+
+
+@dataclass
+class _PeakSampler:
+    """The largest resident set of ``pid``'s process tree, sampled every :data:`POLL_S` on a thread."""
+
+    pid: int
+    peak: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _tree_rss(self.pid))
+            self._stop.wait(POLL_S)
+
+
+@contextlib.contextmanager
+def _sampled(pid: int) -> Iterator[_PeakSampler]:
+    sampler = _PeakSampler(pid)
+    thread = threading.Thread(target=sampler.run, daemon=True)
+    thread.start()
+    try:
+        yield sampler
+    finally:
+        sampler._stop.set()
+        thread.join()
+
+
 def _watch(cmd: list[str], out_path: Path, timeout: float) -> tuple[int, str]:
     """Run ``cmd``, sampling its process tree's RSS: (peak bytes, the tail of its output)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
-           "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryFile("w+") as log:
-        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        peak, start = 0, time.monotonic()
-        while child.poll() is None:
-            peak = max(peak, _tree_rss(child.pid))
-            if time.monotonic() - start > timeout:
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env())
+        with _sampled(child.pid) as sampler:
+            try:
+                child.wait(timeout)
+            except subprocess.TimeoutExpired:
                 child.kill()
-            time.sleep(POLL_S)
+                child.wait()
         log.seek(0)
-        return peak, log.read()[-3000:]
+        return sampler.peak, log.read()[-3000:]
+
+
+def _serve_case(model_dir: str, workload: MemoryWorkload, timeout: float) -> CaseResult:
+    """``flashpage serve`` on ``model_dir`` with the workload's pool and settings, its process tree sampled from
+    its start; every request sent at once from this process (outside the tree), non-streamed."""
+    import httpx
+    from transformers import AutoConfig
+
+    from flashpage.bench.serve import started_server
+    from flashpage.serve.ports import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "flashpage.cli", "serve", "--model", model_dir, "--port", str(port),
+           "--log-level", "warning", "--device", "cpu", "--kv-cache-memory", str(workload.kv_cache_memory),
+           "--block-size", str(workload.block_size), "--max-num-seqs", str(workload.num_requests)]
+    prompts = workload.prompts(int(AutoConfig.from_pretrained(model_dir).vocab_size))
+    samplers: list[_PeakSampler] = []
+    with contextlib.ExitStack() as stack:
+        start = time.perf_counter()
+        try:
+            url = stack.enter_context(started_server(
+                cmd, port, env=_child_env(), replace_env=True, timeout=timeout,
+                on_spawn=lambda pid: samplers.append(stack.enter_context(_sampled(pid)))))
+
+            def complete(prompt: list[int]) -> dict[str, Any]:
+                body = {"model": model_dir, "prompt": prompt, "max_tokens": workload.max_tokens,
+                        "temperature": 0.0, "ignore_eos": True}
+                reply = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+                reply.raise_for_status()
+                return reply.json()
+
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                replies = list(pool.map(complete, prompts))
+        except (RuntimeError, httpx.HTTPError) as exc:
+            return CaseResult(SERVE, samplers[0].peak if samplers else 0, 0, 0.0, [], error=str(exc))
+        seconds = time.perf_counter() - start
+    texts = [r["choices"][0]["text"] for r in replies]
+    counts = [int(r["usage"]["completion_tokens"]) for r in replies]
+    if counts != [workload.max_tokens] * len(prompts):
+        return CaseResult(SERVE, samplers[0].peak, 0, seconds, [], error=f"completion tokens {counts}, asked for "
+                          f"{workload.max_tokens} each")
+    return CaseResult(SERVE, samplers[0].peak, workload.kv_cache_memory, seconds, [], texts=texts)
 
 
 def run_case(case: str, model_dir: str, workload: MemoryWorkload, vllm_python: str | None = None,
              timeout: float = 1800.0) -> CaseResult:
+    if case == SERVE:
+        return _serve_case(model_dir, workload, timeout)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         if case == "vllm":
@@ -202,13 +291,23 @@ def run(model_dir: str, workload: MemoryWorkload, vllm_python: str | None = None
     if vllm_python:
         results.append(run_case("vllm", model_dir, workload, vllm_python))
     ref = next((r.tokens for r in results if r.case == "transformers" and not r.error), None)
+    ref_texts = _decoded(model_dir, ref) if ref is not None and SERVE in cases else None
     rows = []
     for r in results:
+        same = r.texts == ref_texts if r.case == SERVE else r.tokens == ref  # the server answers with text
         rows.append({"case": r.case, "peak": r.peak, "weights": weights, "pool": r.pool,
                      "overhead": r.peak - weights - r.pool, "seconds": round(r.seconds, 2),
-                     "tokens_equal_transformers": None if ref is None or r.error else r.tokens == ref,
+                     "tokens_equal_transformers": None if ref is None or r.error else same,
                      "packed": r.packed, "released": r.released, "error": r.error})
     return {"model": model_dir, "workload": asdict(workload), "rows": rows, "dtype": _checkpoint_dtype(model_dir)}
+
+
+def _decoded(model_dir: str, tokens: list[list[int]]) -> list[str]:
+    """Each token list as the server's text of it (special tokens skipped, the server's default)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
 
 
 def _checkpoint_dtype(model_dir: str) -> str:

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -210,15 +210,18 @@ def wait_quiet(url: str, timeout: float = 20.0, window: float = 0.5, share: floa
 
 @contextmanager
 def started_server(cmd: list[str], port: int, env: dict[str, str] | None = None, timeout: float = STARTUP_TIMEOUT,
-                   replace_env: bool = False) -> Iterator[str]:
+                   replace_env: bool = False, on_spawn: Callable[[int], None] | None = None) -> Iterator[str]:
     """Run ``cmd`` (a server on ``port``) until /health answers (at most ``timeout`` s); afterwards SIGTERM
     its whole process group (servers such as vLLM's start engine processes), then SIGKILL it if it lingers.
-    ``env`` is added to this process's environment, or replaces it with ``replace_env``."""
+    ``env`` is added to this process's environment, or replaces it with ``replace_env``. ``on_spawn`` gets the
+    server's pid as soon as it is started (before it answers)."""
     url = f"http://127.0.0.1:{port}"
     log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would stall the server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env=dict(env or {}) if replace_env else {**os.environ, **(env or {})})
     try:
+        if on_spawn is not None:
+            on_spawn(proc.pid)
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:

@@ -1,6 +1,6 @@
-"""``flashpage bench memory`` on the built-in checkpoint: every case runs in its own process, the peaks
-are real (above the weights), each within weights + KV pool + 1 GiB, and the flashpage cases' greedy
-tokens equal unpatched transformers' (float32)."""
+"""``flashpage bench memory`` on the built-in checkpoint: every case runs in its own process (``flashpage serve``
+as its HTTP front and engine process), the peaks are real (above the weights), each within weights + KV pool +
+1 GiB, and the flashpage cases' greedy tokens (the server's texts) equal unpatched transformers' (float32)."""
 
 from __future__ import annotations
 
@@ -25,5 +25,7 @@ def test_bench_memory_on_the_builtin_checkpoint() -> None:
     assert rows["flashpage-llm"]["pool"] > 0 and rows["transformers"]["pool"] == 0
     assert rows["flashpage-generate"]["tokens_equal_transformers"] is True
     assert rows["flashpage-llm"]["tokens_equal_transformers"] is True
+    assert rows["flashpage-serve"]["tokens_equal_transformers"] is True
+    assert rows["flashpage-serve"]["pool"] == workload.kv_cache_memory
     report = format_report(result)
-    assert "flashpage-llm" in report and "= transformers" in report
+    assert "flashpage-llm" in report and "flashpage-serve" in report and "= transformers" in report

@@ -38,7 +38,12 @@ added by transposing trees and its rows taken in passes that fit L2 (``half_line
 rows since; oneDNN with packed weights (what vLLM's CPU backend runs) is 2-5% faster than it at 96-512 rows and
 slower at 32 rows and fewer. A packed copy of a weight that stays resident is the weight's size again (the memory
 goal is weights + KV pool + 1 GiB), so half-precision weights are never packed (``_packable``: float32 only) and
-never copied to float32.
+never copied to float32. Tried for the steps above :data:`HALF_SMALL_ROWS` and not adopted (same setup, 4 layers,
+best of 3; F.linear 205-216 GF/s, packed oneDNN 220-224 at 192-2048 rows): an outer-product kernel that packs x
+into pairs of bfloat16 per call and broadcasts the plain weights' pairs (no weight copy) ran 208-212 GF/s, level
+with F.linear, and at most 219 with its transposing copy-out left out (a result no longer correct); reordering
+the weight on every call, then oneDNN's packed call, ran 134 GF/s at 192 rows and 212 at 2048, never ahead of
+F.linear.
 
 Packed and fused weights (:class:`Prepacked`, ``LLM(cpu_prepack=...)``): as vLLM's CPU backend, the
 engine keeps each weight in oneDNN's blocked layout (packed once, not reordered on every call), and
@@ -57,7 +62,9 @@ Pages written since loading (a weight update: copy on write) and weights in anon
 converted in memory) stay resident; ``Prepacked.released()`` says how many bytes the resident set shrank by. A
 weight that shares its memory with a tensor the steps still read whole is never paged out; an LM head tied to the
 embedding is (a lookup reads only its tokens' rows, which come back a page each, read from the file the first
-time a token is seen). After a weight change the repacked GEMMs are paged out again. A fused pack's stacked
+time a token is seen). A linear alone with more than :data:`SPLIT_OUT` outputs (an LM head) is packed in parts, each
+part's rows paged out right after it is packed, so the process never holds the whole original beside its copy.
+After a weight change the repacked GEMMs are paged out again. A fused pack's stacked
 temporary is handed back to the OS (``malloc_trim``), which the heap would otherwise keep.
 """
 
@@ -68,7 +75,7 @@ import contextlib
 import os
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +132,13 @@ def _packed_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     flat = x.reshape(rows, width)
     padded = torch.cat([flat, flat.new_zeros(PACKED_MIN_ROWS - rows, width)])
     return _linear_call(padded, weight, bias)[:rows].reshape(*x.shape[:-1], -1)
+
+
+def _split_call(x: torch.Tensor, parts: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`_packed_call` on each part of a wide linear's packed weight (:attr:`PackedGemm.parts`), the outputs
+    side by side: (..., out). The bias is added after (the same float32 sum oneDNN's epilogue would round once)."""
+    out = torch.cat([_packed_call(x, part, None) for part in parts], -1)
+    return out.add_(bias) if bias is not None else out
 
 
 def _few_rows(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
@@ -301,6 +315,8 @@ def compiled_scope(enabled: bool = True, packs: Prepacked | None = None) -> Iter
 PREPACK_ENV = "FLASHPAGE_CPU_PREPACK"
 RELEASE_ENV = "FLASHPAGE_CPU_PREPACK_RELEASE"  # "0": keep the packed GEMMs' original weights resident
 PACK_BATCH_HINT = 32
+# a linear alone with more outputs than this (an LM head) is packed in parts of this many outputs (see PackedGemm)
+SPLIT_OUT = 32768
 AUTO_MEMORY_SHARE = 0.25  # "auto" packs when the copies take at most this share of available memory
 
 
@@ -347,6 +363,15 @@ class PackedGemm:
         released: bytes the process's resident set shrank by when the members' original weights were paged
             out after the latest pack (:meth:`release`); 0: the originals stay resident (anonymous memory,
             not released, or read by something else) and few-row steps read them.
+        parts: a linear alone with more than :data:`SPLIT_OUT` outputs (an LM head), packed in parts of that many
+            outputs (``weight`` None): its GEMM is one call per part, outputs side by side. Each part's rows of
+            the original are paged out right after that part is packed, so a packed copy never sits beside the
+            whole original (the peak a 151936 x 1024 float32 LM head would add: 593 MiB; a part: 128 MiB). Also
+            faster: measured, 1 thread, AMD EPYC, the Qwen3-0.6B LM head (151936 x 1024, float32), parts of
+            4096-32768 outputs / one packed weight: 20 rows 0.90-0.92x the time, 4 rows 0.72-0.79x, 64 rows 0.96x,
+            256 rows 0.99-1.03x.
+        split: pack a wide linear in parts (False for the compiled step's table, which maps one weight to one
+            packed copy).
     """
 
     members: tuple[torch.nn.Linear, ...]
@@ -355,22 +380,35 @@ class PackedGemm:
     bias: torch.Tensor | None = None
     key: tuple = ()
     released: int = 0
+    parts: tuple[torch.Tensor, ...] = ()
+    split: bool = True
 
     def current_key(self) -> tuple:
         return tuple((_tensor_key(m.weight), _tensor_key(m.bias)) for m in self.members)
 
-    def pack(self) -> None:
-        """(Re)build the packed weight from the members' current weights (all of them)."""
+    def pack(self, pager: Pager | None = None) -> None:
+        """(Re)build the packed weight from the members' current weights (all of them). ``pager`` pages out
+        original rows and returns the bytes released: a GEMM packed in :attr:`parts` calls it after each part."""
         self.key = self.current_key()
         self.released = 0
+        self.parts = ()
         if not all(_packable(m) for m in self.members):
             self.weight = self.bias = None
             return
         with torch.no_grad():
             if len(self.members) == 1:
                 m = self.members[0]
-                self.weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_BATCH_HINT)
                 self.bias = m.bias.detach() if m.bias is not None else None
+                weight = m.weight.detach()
+                if not self.split or weight.shape[0] <= SPLIT_OUT:
+                    self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+                    return
+                self.weight, parts = None, []
+                for rows in weight.split(SPLIT_OUT):
+                    parts.append(torch.ops.mkldnn._reorder_linear_weight(rows, PACK_BATCH_HINT))
+                    if pager is not None:
+                        self.released += pager(rows)
+                self.parts = tuple(parts)
                 return
             stacked = torch.cat([m.weight.detach() for m in self.members])
             self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, PACK_BATCH_HINT)
@@ -383,20 +421,35 @@ class PackedGemm:
     def nbytes(self) -> int:
         return sum(m.weight.numel() * m.weight.element_size() for m in self.members)
 
+    def packed(self) -> bool:
+        """Whether the GEMM runs on packed weights (one, or :attr:`parts`)."""
+        return self.weight is not None or bool(self.parts)
+
     def release(self, kept: list[tuple[int, int]], files: list[tuple[int, int]] | None = None) -> int:
         """Page out the members' original weights (``cpu_memory.page_out``: file-backed pages only; ``files``:
         the file mappings, read now when not given) once they are packed, except a weight overlapping one of
         ``kept`` (sorted byte ranges of tensors that engine steps still read whole). Sets and returns
-        :attr:`released`."""
+        :attr:`released` (a GEMM in :attr:`parts` paged its rows out while it was packed)."""
         if self.weight is None:
-            return 0
-        weights = [m.weight for m in self.members if not _overlaps(_span(m.weight), kept)]
-        before = cpu_memory.resident_bytes()
-        advised = cpu_memory.page_out([w.detach() for w in weights], files)
-        after = cpu_memory.resident_bytes()
-        if advised and before is not None and after is not None:
-            self.released = max(0, before - after)
+            return self.released
+        self.released = _page_out_kept(kept, files)(*[m.weight.detach() for m in self.members])
         return self.released
+
+
+Pager = Callable[..., int]  # (*tensors) -> bytes released: pages out the original weights given (_page_out_kept)
+
+
+def _page_out_kept(kept: list[tuple[int, int]], files: list[tuple[int, int]] | None) -> Pager:
+    """A pager: pages out the given tensors except those overlapping ``kept`` (sorted byte ranges), and returns
+    the bytes the resident set shrank by (0 when nothing was advised or the resident set is unknown)."""
+
+    def page(*tensors: torch.Tensor) -> int:
+        before = cpu_memory.resident_bytes()
+        advised = cpu_memory.page_out([t for t in tensors if not _overlaps(_span(t), kept)], files)
+        after = cpu_memory.resident_bytes()
+        return max(0, before - after) if advised and before is not None and after is not None else 0
+
+    return page
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -578,7 +631,8 @@ class Prepacked:
         gemm, index = hit
         weight = gemm.weight
         if weight is None:
-            return None
+            parts = gemm.parts  # a wide linear alone, packed in parts (index 0)
+            return _split_call(x, parts, gemm.bias) if parts else None
         if index == 0:  # a single linear, or a fused group's first member: its GEMM runs
             sizes = gemm.sizes
             if len(sizes) == 1:
@@ -603,7 +657,7 @@ class Prepacked:
         if hit is None:
             return False
         gemm = hit[0]
-        return gemm.released > 0 and gemm.weight is not None
+        return gemm.released > 0 and gemm.packed()
 
     def observe(self, module: torch.nn.Linear, x: torch.Tensor) -> None:
         """A linear that ran without the packed weights (a step of few rows): the probe step records it all
@@ -642,7 +696,7 @@ class Prepacked:
         """For a compiled step: each linear's weight (by data_ptr) and its packed copy. A compiled engine
         runs no probe step: every linear with the oneDNN forward is packed alone at its first call."""
         if self.state == "probe":
-            self._use([PackedGemm((m,), (m.weight.shape[0],)) for m in self.model.modules()
+            self._use([PackedGemm((m,), (m.weight.shape[0],), split=False) for m in self.model.modules()
                        if _has_onednn_forward(m) and _packable(m)])
         if self.state != "packed":
             return None
@@ -658,7 +712,7 @@ class Prepacked:
             return
         kept, files = self._kept_spans(gemms), cpu_memory.file_mappings()
         for g in gemms:
-            g.pack()
+            g.pack(self._pager(kept, files))
             self._release(g, kept, files)
         self.gemms = gemms
         self._by_module = {id(m): (g, i) for g in gemms for i, m in enumerate(g.members)}
@@ -678,7 +732,7 @@ class Prepacked:
         kept, files = self._kept_spans(self.gemms), cpu_memory.file_mappings()
         for g in self.gemms:
             if everything or g.current_key() != g.key:
-                g.pack()
+                g.pack(self._pager(kept, files))
                 self._release(g, kept, files)
                 repacked += 1
         return repacked
@@ -690,6 +744,10 @@ class Prepacked:
             gemm.release(kept, files)
         if len(gemm.members) > 1 and gemm.weight is not None:
             cpu_memory.trim_heap()
+
+    def _pager(self, kept: list[tuple[int, int]], files: list[tuple[int, int]]) -> Pager | None:
+        """What a GEMM packed in parts pages its original rows out with (:attr:`release`), else None."""
+        return _page_out_kept(kept, files) if self.release else None
 
     def _kept_spans(self, gemms: list[PackedGemm]) -> list[tuple[int, int]]:
         """Sorted byte ranges of every parameter and buffer other than the weights of ``gemms``' members and of
@@ -711,12 +769,12 @@ class Prepacked:
 
     def nbytes(self) -> int:
         """Bytes of the packed copies."""
-        return sum(g.nbytes() for g in self.gemms if g.weight is not None)
+        return sum(g.nbytes() for g in self.gemms if g.packed())
 
     def released(self) -> int:
         """Bytes the resident set shrank by when the packed GEMMs' original weights were paged out (their
         latest packs): 0 for weights in anonymous memory (a model built in memory or converted on load)."""
-        return sum(g.released for g in self.gemms if g.weight is not None)
+        return sum(g.released for g in self.gemms if g.packed())
 
 
 def _has_onednn_forward(module: torch.nn.Module) -> bool:

@@ -29,8 +29,8 @@ WIDE = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_
 TAIL = [2, 3, 5, 6, 8, 10]  # max_tokens per request: the run's last steps have 4, 3, 2 then 1 rows
 
 
-def _saved(tmp_path: Path, tied: bool) -> Path:
-    model = tiny_model("llama", seed=9, tie_word_embeddings=tied, max_position_embeddings=512, **WIDE)
+def _saved(tmp_path: Path, tied: bool, **extra: int) -> Path:
+    model = tiny_model("llama", seed=9, tie_word_embeddings=tied, max_position_embeddings=512, **{**WIDE, **extra})
     model.save_pretrained(tmp_path)
     return tmp_path
 
@@ -147,3 +147,68 @@ def test_bench_small_rows_runs():
         pytest.skip("no C++ compiler here: no small-M kernel to compare with")
     row = bench.measure_small_rows("o", 2, layers=1, repeats=1)
     assert row is not None and min(row.small_us, row.packed_us, row.padded_us) > 0
+
+
+def test_a_wide_linear_packs_in_parts_paged_out_as_it_goes(tmp_path, monkeypatch):
+    """A linear alone with more than SPLIT_OUT outputs (the LM head here, tied to the embedding) is packed in parts
+    of SPLIT_OUT outputs, each part's rows of the original paged out right after that part is packed (the packing
+    never holds the whole original beside its copy); its steps, few-row ones included, run on the parts, with the
+    tokens and logprobs of the whole weight kept and of transformers."""
+    path = _saved(tmp_path, tied=True, vocab_size=4096)  # an LM head of 8 MiB: parts of 2 MiB, many pages each
+    prompts = random_prompts(len(TAIL), 3, 30, seed=4)
+    kept = _llm(path, release=False)
+    try:
+        ref = _generate(kept, prompts)
+        assert all(not g.parts for g in kept._prepack.gemms)  # the default SPLIT_OUT: no head this narrow is split
+    finally:
+        unpatch(kept.model)
+    del kept
+    gc.collect()
+    part = 1024
+    monkeypatch.setattr(linears, "SPLIT_OUT", part)
+    order: list[tuple[str, int]] = []  # packs and page-outs, in order
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
+                        lambda w, hint: order.append(("pack", w.data_ptr())) or reorder(w, hint))
+    page_out = cpu_memory.page_out
+    monkeypatch.setattr(cpu_memory, "page_out",
+                        lambda ts, files=None: order.extend(("out", t.data_ptr()) for t in ts) or page_out(ts, files))
+    split_calls: list[int] = []
+    split_call = linears._split_call
+    monkeypatch.setattr(linears, "_split_call",
+                        lambda x, parts, b: split_calls.append(x.numel() // x.shape[-1]) or split_call(x, parts, b))
+    llm = _llm(path, release=True)
+    model = llm.model
+    try:
+        got = _generate(llm, prompts)
+        packs = llm._prepack
+        head = model.lm_head.weight
+        gemm = next(g for g in packs.gemms if g.members == (model.lm_head,))
+        vocab, hidden = head.shape
+        assert gemm.weight is None and len(gemm.parts) == -(-vocab // part) and gemm.released > 0
+        assert packs.paged_out(model.lm_head)
+        rows = [head.data_ptr() + i * part * hidden * head.element_size() for i in range(len(gemm.parts))]
+        head_events = [e for e in order if e[1] in rows]
+        assert head_events == [(kind, r) for r in rows for kind in ("pack", "out")]  # each part out before the next
+        assert all(g.parts == () for g in packs.gemms if g is not gemm)  # the layers' GEMMs are narrower
+        assert {1, 2, 3, 4} <= set(split_calls)  # the run's tail: steps of 4, 3, 2 and 1 rows on the parts
+        _same(got, ref)
+    finally:
+        unpatch(model)
+    for prompt, out, n in zip(prompts, got, TAIL, strict=True):
+        assert_matches_hf(model, [prompt], [out], n, eos=False)
+
+
+def test_split_call_matches_the_whole_gemm():
+    """The parts' outputs side by side, the bias added after: the whole packed GEMM's values (float32 rounding)."""
+    gen = torch.Generator().manual_seed(1)
+    w, b = torch.randn(250, 40, generator=gen), torch.randn(250, generator=gen)
+    parts = tuple(torch.ops.mkldnn._reorder_linear_weight(r, linears.PACK_BATCH_HINT) for r in w.split(96))
+    whole = torch.ops.mkldnn._reorder_linear_weight(w, linears.PACK_BATCH_HINT)
+    for shape in [(1, 40), (3, 40), (7, 40), (2, 5, 40)]:
+        x = torch.randn(*shape, generator=gen)
+        for bias in (b, None):
+            got = linears._split_call(x, parts, bias)
+            assert got.shape == (*shape[:-1], 250)
+            assert torch.allclose(got, linears._packed_call(x, whole, bias), atol=1e-5, rtol=1e-5), shape
+            assert torch.allclose(got, torch.nn.functional.linear(x, w, bias), atol=1e-5, rtol=1e-5), shape

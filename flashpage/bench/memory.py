@@ -125,7 +125,9 @@ def _tree_rss(pid: int) -> int:
     """Bytes: the resident sets of ``pid`` and its descendants added up, less any child that is a fork not yet
     turned into its program (its command line still its parent's): until it execs, such a child's resident pages
     are its parent's (``subprocess`` starts a child by vfork or fork, then exec), and counting them again would
-    report the parent twice for that moment (``flashpage serve`` starting its engine process)."""
+    report the parent twice for that moment (``flashpage serve`` starting its engine process). A worker forked
+    without exec that kept its parent's command line would be missed: no case starts one (vLLM's processes are
+    spawned or renamed)."""
     import psutil
 
     try:

@@ -29,3 +29,32 @@ def test_bench_memory_on_the_builtin_checkpoint() -> None:
     assert rows["flashpage-serve"]["pool"] == workload.kv_cache_memory
     report = format_report(result)
     assert "flashpage-llm" in report and "flashpage-serve" in report and "= transformers" in report
+
+
+def test_tree_rss_leaves_out_a_fork_that_has_not_exec_d() -> None:
+    """A child forked without exec (its command line still its parent's) shares its parent's pages: the tree's
+    sum counts the parent once, not twice."""
+    import subprocess
+    import time
+
+    import psutil
+
+    from flashpage.bench.memory import _tree_rss
+
+    code = "import os, time\nblock = bytearray(64 << 20)\nos.fork()\ntime.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        parent = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 20
+        while not parent.children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (fork,) = parent.children()
+        assert fork.cmdline() == parent.cmdline()
+        own = parent.memory_info().rss
+        assert own > 64 << 20 and fork.memory_info().rss > 64 << 20  # each reports the shared pages
+        assert abs(_tree_rss(proc.pid) - own) < 8 << 20  # counted once
+    finally:
+        for p in psutil.Process(proc.pid).children():
+            p.kill()
+        proc.kill()
+        proc.wait()

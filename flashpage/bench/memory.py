@@ -196,7 +196,6 @@ def _serve_case(model_dir: str, workload: MemoryWorkload, timeout: float) -> Cas
     """``flashpage serve`` on ``model_dir`` with the workload's pool and settings, its process tree sampled from
     its start; every request sent at once from this process (outside the tree), non-streamed."""
     import httpx
-    from transformers import AutoConfig
 
     from flashpage.bench.serve import started_server
     from flashpage.serve.ports import free_port
@@ -205,7 +204,7 @@ def _serve_case(model_dir: str, workload: MemoryWorkload, timeout: float) -> Cas
     cmd = [sys.executable, "-m", "flashpage.cli", "serve", "--model", model_dir, "--port", str(port),
            "--log-level", "warning", "--device", "cpu", "--kv-cache-memory", str(workload.kv_cache_memory),
            "--block-size", str(workload.block_size), "--max-num-seqs", str(workload.num_requests)]
-    prompts = workload.prompts(int(AutoConfig.from_pretrained(model_dir).vocab_size))
+    prompts = _checkpoint_prompts(model_dir, workload)
     samplers: list[_PeakSampler] = []
     with contextlib.ExitStack() as stack:
         start = time.perf_counter()
@@ -255,11 +254,15 @@ def run_case(case: str, model_dir: str, workload: MemoryWorkload, vllm_python: s
                       released=int(got.get("released", 0)))
 
 
-def _vllm_spec(model_dir: str, workload: MemoryWorkload, tmp: Path) -> Path:
+def _checkpoint_prompts(model_dir: str, workload: MemoryWorkload) -> list[list[int]]:
+    """The workload's prompts for the checkpoint's vocabulary (read from its config, no weights loaded)."""
     from transformers import AutoConfig
 
-    vocab = int(AutoConfig.from_pretrained(model_dir).vocab_size)
-    prompts = workload.prompts(vocab)
+    return workload.prompts(int(AutoConfig.from_pretrained(model_dir).vocab_size))
+
+
+def _vllm_spec(model_dir: str, workload: MemoryWorkload, tmp: Path) -> Path:
+    prompts = _checkpoint_prompts(model_dir, workload)
     spec = {"model": model_dir, "prompts": prompts, "max_tokens": [workload.max_tokens] * len(prompts),
             "warm_prompts": [prompts[0][:8]], "max_num_seqs": workload.num_requests,
             "max_num_batched_tokens": 2048, "enable_prefix_caching": True, "block_size": 128, "dtype": "auto",

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import gc
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -53,6 +55,27 @@ def _llm(path: Path, release: bool) -> LLM:
     return llm
 
 
+def _kept_reference(path: Path, prompts: list[list[int]], check: Callable[[linears.Prepacked], bool]) -> list:
+    """The outputs of an LLM that keeps its originals resident (``check`` holds for its packs), which is then
+    dropped: its mapping of the file would keep the pages the next LLM pages out (the kernel pages out no page that
+    two mappings share)."""
+    kept = _llm(path, release=False)
+    try:
+        ref = _generate(kept, prompts)
+        assert check(kept._prepack)
+    finally:
+        unpatch(kept.model)
+    del kept
+    gc.collect()
+    return ref
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, record: Callable[..., Any]) -> None:
+    """``owner.name`` calls ``record`` with its arguments first, then itself."""
+    original = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *args, **kwargs: record(*args, **kwargs) or original(*args, **kwargs))
+
+
 def _same(a: list, b: list) -> None:
     for x, y in zip(a, b, strict=True):
         assert x.token_ids == y.token_ids
@@ -64,25 +87,14 @@ def _same(a: list, b: list) -> None:
 def test_released_originals_same_tokens_and_few_rows_on_the_packs(tmp_path, monkeypatch, tied):
     path = _saved(tmp_path, tied)
     prompts = random_prompts(len(TAIL), 3, 30, seed=4)
-    kept = _llm(path, release=False)
-    try:
-        ref = _generate(kept, prompts)
-        assert kept._prepack.released() == 0 and not any(kept._prepack.paged_out(m) for m in kept.model.modules())
-    finally:
-        unpatch(kept.model)
-    del kept  # its mapping of the file: the kernel pages out no page that two mappings share
-    gc.collect()
+    ref = _kept_reference(path, prompts, lambda packs: packs.released() == 0
+                          and not any(packs.paged_out(m) for m in packs.model.modules()))
     advised: list[int] = []
-    page_out = cpu_memory.page_out
-    monkeypatch.setattr(cpu_memory, "page_out",
-                        lambda ts, files=None: advised.extend(t.data_ptr() for t in ts) or page_out(ts, files))
+    _spy(monkeypatch, cpu_memory, "page_out", lambda ts, files=None: advised.extend(t.data_ptr() for t in ts))
     few: list[torch.nn.Linear] = []
-    few_rows = linears._few_rows
-    monkeypatch.setattr(linears, "_few_rows", lambda m, x: few.append(m) or few_rows(m, x))
+    _spy(monkeypatch, linears, "_few_rows", lambda m, x: few.append(m))
     packed_rows: list[int] = []
-    packed_call = linears._packed_call
-    monkeypatch.setattr(linears, "_packed_call",
-                        lambda x, w, b: packed_rows.append(x.numel() // x.shape[-1]) or packed_call(x, w, b))
+    _spy(monkeypatch, linears, "_packed_call", lambda x, w, b: packed_rows.append(x.numel() // x.shape[-1]))
     llm = _llm(path, release=True)
     model = llm.model
     try:
@@ -156,27 +168,15 @@ def test_a_wide_linear_packs_in_parts_paged_out_as_it_goes(tmp_path, monkeypatch
     tokens and logprobs of the whole weight kept and of transformers."""
     path = _saved(tmp_path, tied=True, vocab_size=4096)  # an LM head of 8 MiB: parts of 2 MiB, many pages each
     prompts = random_prompts(len(TAIL), 3, 30, seed=4)
-    kept = _llm(path, release=False)
-    try:
-        ref = _generate(kept, prompts)
-        assert all(not g.parts for g in kept._prepack.gemms)  # the default SPLIT_OUT: no head this narrow is split
-    finally:
-        unpatch(kept.model)
-    del kept
-    gc.collect()
+    # the default SPLIT_OUT: no head this narrow is split
+    ref = _kept_reference(path, prompts, lambda packs: all(not g.parts for g in packs.gemms))
     part = 1024
     monkeypatch.setattr(linears, "SPLIT_OUT", part)
     order: list[tuple[str, int]] = []  # packs and page-outs, in order
-    reorder = torch.ops.mkldnn._reorder_linear_weight
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
-                        lambda w, hint: order.append(("pack", w.data_ptr())) or reorder(w, hint))
-    page_out = cpu_memory.page_out
-    monkeypatch.setattr(cpu_memory, "page_out",
-                        lambda ts, files=None: order.extend(("out", t.data_ptr()) for t in ts) or page_out(ts, files))
+    _spy(monkeypatch, torch.ops.mkldnn, "_reorder_linear_weight", lambda w, hint: order.append(("pack", w.data_ptr())))
+    _spy(monkeypatch, cpu_memory, "page_out", lambda ts, files=None: order.extend(("out", t.data_ptr()) for t in ts))
     split_calls: list[int] = []
-    split_call = linears._split_call
-    monkeypatch.setattr(linears, "_split_call",
-                        lambda x, parts, b: split_calls.append(x.numel() // x.shape[-1]) or split_call(x, parts, b))
+    _spy(monkeypatch, linears, "_split_call", lambda x, parts, b: split_calls.append(x.numel() // x.shape[-1]))
     llm = _llm(path, release=True)
     model = llm.model
     try:

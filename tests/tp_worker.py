@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch.distributed as dist
 
 import flashpage
 from flashpage import LLM, SamplingParams
-from flashpage.engine.distributed import drive, follow, sync_rng
+from flashpage.engine.distributed import drive, end_rank, follow, sync_rng
 
 PROMPTS = ["The list", "A module is", "If the file", "Return the number of", "The default value is",
            "This module provides"]
@@ -189,10 +188,7 @@ def main(out_dir: str) -> None:
     dist.barrier()
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # skip C++ static destructors: gloo's threads were seen to abort the process there about 1 run in 10
-    os._exit(0)
+    end_rank(0)
 
 
 if __name__ == "__main__":

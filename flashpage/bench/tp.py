@@ -175,7 +175,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip C++ static destructors (gloo threads can abort the process there)
+    from flashpage.engine.distributed import end_rank
+
+    end_rank(main())

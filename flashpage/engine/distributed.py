@@ -36,7 +36,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -356,6 +356,19 @@ def follow(llm: Any, max_failed_steps: int = 3) -> int:
             steps += 1
     finally:
         sync.role, sync.stopped = "spmd", False
+
+
+def end_rank(code: int) -> NoReturn:
+    """End this torchrun rank with ``code`` once its process group is destroyed: flush logging and
+    stdio, then ``os._exit`` past interpreter teardown. gloo's threads can abort a normally exiting
+    process in C++ static destructors ("terminate called without an active exception", SIGABRT:
+    about one run in ten here), turning a clean stop into a failed torchrun."""
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def sync_rng(model: Any) -> None:

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -60,11 +60,12 @@ def relaunch(size: int, argv: list[str], http_port: int) -> int:
                 signal.signal(sig, handler)
 
 
-def run_tp_server(options: ServeOptions, size: int) -> int:
-    """This rank's part of a tensor-parallel server (called under torchrun on every rank)."""
+def run_tp_server(options: ServeOptions, size: int) -> NoReturn:
+    """This rank's part of a tensor-parallel server (called under torchrun on every rank); ends the
+    rank's process with its exit code (:func:`~flashpage.engine.distributed.end_rank`)."""
     import torch.distributed as dist
 
-    from flashpage.engine.distributed import drive, follow
+    from flashpage.engine.distributed import drive, end_rank, follow
     from flashpage.serve.async_engine import AsyncLLM
     from flashpage.serve.server import run_server
 
@@ -91,7 +92,7 @@ def run_tp_server(options: ServeOptions, size: int) -> int:
             engine = AsyncLLM(llm, max_waiting_requests=options.max_waiting_requests)
             code = run_server(options, engine=engine)
     dist.destroy_process_group()
-    return code
+    end_rank(code)
 
 
 def _init_process_group() -> None:

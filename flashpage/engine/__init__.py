@@ -1,15 +1,36 @@
-"""Continuous-batching engine: ``LLM``, ``SamplingParams`` and the outputs they produce."""
+"""Continuous-batching engine: ``LLM``, ``SamplingParams`` and the outputs they produce.
 
-from flashpage.engine.llm import LLM, EngineStats
+``LLM`` (and with it transformers' modeling code and flashpage's patches) is imported on first
+use, so a process that only builds requests and reads outputs (``flashpage serve``'s HTTP front,
+whose engine runs in another process) stays light.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from flashpage.engine.outputs import (
-           CompletionOutput,
-           RequestMetrics,
-           RequestOutput,
-           StreamOutput,
-           TokenLogprob,
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    StreamOutput,
+    TokenLogprob,
 )
 from flashpage.engine.params import SamplingParams
+from flashpage.engine.stats import EngineStats
 from flashpage.engine.structured import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from flashpage.engine.llm import LLM
 
 __all__ = ["LLM", "CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput", "SamplingParams",
            "StreamOutput", "StructuredOutputsParams", "TokenLogprob"]
+
+
+def __getattr__(name: str) -> Any:
+    if name != "LLM":
+        raise AttributeError(f"module 'flashpage.engine' has no attribute {name!r}")
+    from flashpage.engine.llm import LLM
+
+    globals()["LLM"] = LLM
+    return LLM

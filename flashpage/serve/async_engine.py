@@ -31,9 +31,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flashpage.engine import LLM, EngineStats, RequestOutput, SamplingParams
+from flashpage.engine import EngineStats, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from flashpage.engine.llm import LLM
 
 log = logging.getLogger("flashpage.serve")
 

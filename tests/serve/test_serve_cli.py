@@ -71,3 +71,52 @@ def test_serve_restarts_a_dead_engine_process_3_times_by_default() -> None:
     assert _serve_max_engine_restarts(None, True) == 3
     assert _serve_max_engine_restarts(0, True) == 0
     assert _serve_max_engine_restarts(None, False) == 3  # unused: a thread engine is never restarted
+
+
+FRONT_PROBE = """
+import json, os, signal, sys, threading, time
+import httpx
+from flashpage.cli import main
+
+url = "http://127.0.0.1:%d"
+seen = {}
+
+def client():
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    body = {"model": "flashpage-tiny", "max_tokens": 4, "temperature": 0}
+    seen["completion"] = httpx.post(url + "/v1/completions", json={**body, "prompt": "The list"}, timeout=60).status_code
+    chat = {**body, "messages": [{"role": "user", "content": "hi"}]}
+    seen["chat"] = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).status_code
+    seen["metrics"] = httpx.get(url + "/metrics", timeout=10).status_code
+    seen["heavy"] = sorted(m for m in ("transformers.modeling_utils", "flashpage.engine.llm", "flashpage.patches.patching")
+                           if m in sys.modules)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Thread(target=client, daemon=True).start()
+code = main(["serve", "--port", "%d", "--log-level", "warning", "--max-num-seqs", "4"])
+print("PROBE " + json.dumps({**seen, "code": code}))
+"""
+
+
+def test_serve_front_does_not_import_the_engine_or_modeling_code() -> None:
+    """`flashpage serve`'s HTTP front (its engine runs in another process) answers completions, chat and
+    /metrics without importing `flashpage.LLM`, the patches or transformers' modeling code (about 90 MiB of
+    the front's RSS on CPU: the serve tree's peak memory in `flashpage bench memory`)."""
+    import json
+    import subprocess
+    import sys
+
+    from flashpage.serve.ports import free_port
+
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-c", FRONT_PROBE % (port, port)], capture_output=True, text=True,
+                          timeout=300, check=False)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("PROBE ")), None)
+    assert line is not None, proc.stdout[-2000:] + proc.stderr[-4000:]
+    seen = json.loads(line[len("PROBE "):])
+    assert seen == {"completion": 200, "chat": 200, "metrics": 200, "heavy": [], "code": 0}, proc.stderr[-4000:]

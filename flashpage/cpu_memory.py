@@ -31,7 +31,9 @@ tensors backed by a private mapping of the file: clean pages the kernel reads ba
 access, so a reader later sees the same values. Pages written since (copy on write: a weight update) are
 anonymous, and without swap the kernel leaves them alone; so do anonymous tensors (a model built in memory or
 converted to another dtype). The engine pages out a linear's original weight once it runs on the packed copy
-(``engine/linears.py``). :func:`resident_bytes` reads the process's resident set, to say what that released.
+(``engine/linears.py``). With ``keep_cached`` the pages leave only this process's mapping and stay in the page
+cache, for a tensor read back a row at a time (an embedding table the LM head is tied to). :func:`resident_bytes`
+reads the process's resident set, to say what that released.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import ctypes
 import os
 import sys
 import threading
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -230,6 +233,7 @@ def probe(nbytes: int = 16 << 20) -> MallocProbe | None:
 
 # ------------------------------------------------------------------ file-backed pages handed back
 MADV_PAGEOUT = 21  # linux/mman.h (Linux >= 5.4; older kernels answer EINVAL)
+MADV_DONTNEED = 4
 _madvise: Any = None
 
 
@@ -286,11 +290,17 @@ def _in_file_mapping(lo: int, hi: int, spans: list[tuple[int, int]]) -> bool:
     return i >= 0 and spans[i][0] <= lo and hi <= spans[i][1]
 
 
-def page_out(tensors: Sequence[Any], spans: list[tuple[int, int]] | None = None) -> int:
+def page_out(tensors: Sequence[Any], spans: list[tuple[int, int]] | None = None, keep_cached: bool = False) -> int:
     """``madvise(MADV_PAGEOUT)`` on the whole pages inside each contiguous CPU tensor's data that lie in a file
     mapping (``spans``: :func:`file_mappings`, read now when not given); returns the bytes advised (0 off Linux,
     for anonymous memory, or where the kernel refuses). A page shared with a neighbouring tensor is left alone,
-    as is every page of a tensor elsewhere than one mapping."""
+    as is every page of a tensor elsewhere than one mapping.
+
+    ``keep_cached``: the mapping lets go of the pages but the page cache keeps them (``MADV_DONTNEED`` on the
+    pages that are still the file's, :func:`_file_page_runs`), so a later read maps a page back without reading
+    the file, while the kernel may still reclaim them as any cached file. For a tensor read a row at a time
+    afterwards (an embedding table): a page read back from a slow disk costs milliseconds. Pages this process
+    wrote since mapping the file (copies on write, anonymous) are left alone: ``MADV_DONTNEED`` would drop them."""
     fn = _madvise_fn()
     if fn is None or not sys.platform.startswith("linux") or not tensors:
         return 0
@@ -305,9 +315,45 @@ def page_out(tensors: Sequence[Any], spans: list[tuple[int, int]] | None = None)
         hi = (start + t.numel() * t.element_size()) // page * page
         if hi <= lo or not _in_file_mapping(lo, hi, spans):
             continue
-        if fn(lo, hi - lo, MADV_PAGEOUT) == 0:
-            advised += hi - lo
+        if not keep_cached:
+            advised += hi - lo if fn(lo, hi - lo, MADV_PAGEOUT) == 0 else 0
+            continue
+        for a, b in _file_page_runs(lo, hi, page):
+            advised += b - a if fn(a, b - a, MADV_DONTNEED) == 0 else 0
     return advised
+
+
+_PAGEMAP_SWAPPED, _PAGEMAP_FILE = 1 << 62, 1 << 61  # /proc/PID/pagemap entry bits (Documentation/admin-guide/mm)
+_PAGEMAP_PRESENT = 1 << 63
+
+
+def _file_page_runs(lo: int, hi: int, page: int) -> list[tuple[int, int]]:
+    """Address runs ``[a, b)`` of the pages in ``[lo, hi)`` (page-aligned, in a private file mapping) that are still
+    the file's: in the page cache or not mapped yet, not anonymous copies this process wrote (present without the
+    file bit, or swapped). Empty when ``/proc/self/pagemap`` cannot be read."""
+    count = (hi - lo) // page
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(lo // page * 8)
+            raw = f.read(count * 8)
+    except OSError:
+        return []
+    if len(raw) != count * 8:
+        return []
+    entries = array("Q")
+    entries.frombytes(raw)
+    runs: list[tuple[int, int]] = []
+    start = None
+    for i, entry in enumerate(entries):
+        written = entry & _PAGEMAP_SWAPPED or (entry & _PAGEMAP_PRESENT and not entry & _PAGEMAP_FILE)
+        if not written and start is None:
+            start = i
+        elif written and start is not None:
+            runs.append((lo + start * page, lo + i * page))
+            start = None
+    if start is not None:
+        runs.append((lo + start * page, hi))
+    return runs
 
 
 def trim_heap() -> bool:

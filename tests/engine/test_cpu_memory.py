@@ -204,3 +204,37 @@ def test_page_out_releases_a_file_backed_tensor_and_it_reads_back(tmp_path: Path
     assert cm.page_out([want]) == 0  # anonymous memory: not advised
     del t
     mapped.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise: Linux")
+def test_page_out_keep_cached_reads_back_without_the_file_and_keeps_written_pages(tmp_path: Path) -> None:
+    """``keep_cached``: the mapping's resident pages shrink as with MADV_PAGEOUT, but reading the tensor again
+    maps the pages back from the page cache (no major fault); a page this process wrote (copy on write) keeps
+    what was written, which a plain MADV_DONTNEED would drop for the file's bytes."""
+    import mmap
+    import resource
+
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "e.safetensors"
+    want = torch.randn(2048, 1024)
+    save_file({"e": want}, str(path))
+    with path.open("rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+        offset = json.loads(f.read(header))["e"]["data_offsets"][0] + 8 + header
+        mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    t = torch.frombuffer(mapped, dtype=torch.float32, offset=offset, count=want.numel()).view(want.shape)
+    assert torch.equal(t, want)
+    with torch.no_grad():
+        t[1000].fill_(7.0)  # copy on write (a row of 1024 float32 is one 4 KiB page): the file keeps the old row
+    want[1000] = 7.0
+    before = _mapping_rss(path)
+    advised = cm.page_out([t], keep_cached=True)
+    assert advised >= want.nbytes - 4 * 4096, advised  # every page but the written one (and the unaligned ends)
+    assert _mapping_rss(path) < before - want.nbytes // 2
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    assert torch.equal(t, want)  # the written row kept; the others mapped back from the page cache
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_majflt == faults
+    del t
+    mapped.close()

@@ -90,7 +90,13 @@ def test_released_originals_same_tokens_and_few_rows_on_the_packs(tmp_path, monk
     ref = _kept_reference(path, prompts, lambda packs: packs.released() == 0
                           and not any(packs.paged_out(m) for m in packs.model.modules()))
     advised: list[int] = []
-    _spy(monkeypatch, cpu_memory, "page_out", lambda ts, files=None: advised.extend(t.data_ptr() for t in ts))
+    cached: list[int] = []  # advised to the page cache only (keep_cached)
+
+    def record(ts: list[torch.Tensor], files: Any = None, keep_cached: bool = False) -> None:
+        advised.extend(t.data_ptr() for t in ts)
+        cached.extend(t.data_ptr() for t in ts if keep_cached)
+
+    _spy(monkeypatch, cpu_memory, "page_out", record)
     few: list[torch.nn.Linear] = []
     _spy(monkeypatch, linears, "_few_rows", lambda m, x: few.append(m))
     packed_rows: list[int] = []
@@ -104,6 +110,8 @@ def test_released_originals_same_tokens_and_few_rows_on_the_packs(tmp_path, monk
         embed = model.model.embed_tokens.weight
         assert model.lm_head.weight.data_ptr() in advised  # tied or not: a lookup reads only its tokens' rows
         assert (embed.data_ptr() in advised) is tied  # an untied embedding is no packed GEMM's: never advised
+        # the embedding a tied LM head shares goes to the page cache only (lookups read it back a row at a time)
+        assert cached == ([embed.data_ptr()] if tied else [])
         layer = model.model.layers[1]
         assert packs.paged_out(layer.mlp.gate_proj) and packs.paged_out(layer.self_attn.q_proj)
         _same(got, ref)
@@ -174,7 +182,8 @@ def test_a_wide_linear_packs_in_parts_paged_out_as_it_goes(tmp_path, monkeypatch
     monkeypatch.setattr(linears, "SPLIT_OUT", part)
     order: list[tuple[str, int]] = []  # packs and page-outs, in order
     _spy(monkeypatch, torch.ops.mkldnn, "_reorder_linear_weight", lambda w, hint: order.append(("pack", w.data_ptr())))
-    _spy(monkeypatch, cpu_memory, "page_out", lambda ts, files=None: order.extend(("out", t.data_ptr()) for t in ts))
+    _spy(monkeypatch, cpu_memory, "page_out",
+         lambda ts, files=None, **kw: order.extend(("out", t.data_ptr()) for t in ts))
     split_calls: list[int] = []
     _spy(monkeypatch, linears, "_split_call", lambda x, parts, b: split_calls.append(x.numel() // x.shape[-1]))
     llm = _llm(path, release=True)

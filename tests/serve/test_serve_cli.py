@@ -89,12 +89,13 @@ def client():
         except httpx.HTTPError:
             time.sleep(0.1)
     body = {"model": "flashpage-tiny", "max_tokens": 4, "temperature": 0}
-    seen["completion"] = httpx.post(url + "/v1/completions", json={**body, "prompt": "The list"}, timeout=60).status_code
+    text = {**body, "prompt": "The list"}
+    seen["completion"] = httpx.post(url + "/v1/completions", json=text, timeout=60).status_code
     chat = {**body, "messages": [{"role": "user", "content": "hi"}]}
     seen["chat"] = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).status_code
     seen["metrics"] = httpx.get(url + "/metrics", timeout=10).status_code
-    seen["heavy"] = sorted(m for m in ("transformers.modeling_utils", "flashpage.engine.llm", "flashpage.patches.patching")
-                           if m in sys.modules)
+    heavy = ("transformers.modeling_utils", "flashpage.engine.llm", "flashpage.patches.patching")
+    seen["heavy"] = sorted(m for m in heavy if m in sys.modules)
     os.kill(os.getpid(), signal.SIGTERM)
 
 threading.Thread(target=client, daemon=True).start()

@@ -8,9 +8,6 @@ transformers are imported on first use, so ``import flashpage`` stays light.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from flashpage.blocks import BlockManager, BlockStats
 from flashpage.cache import KVGroup, LayerGeometry, PagedKVCache, StepPlan, default_block_size
 from flashpage.errors import (
@@ -22,6 +19,7 @@ from flashpage.errors import (
     UnknownSequenceError,
 )
 from flashpage.kernels import backend_info, flash_attn_varlen_func, flash_attn_with_kvcache, store_kv
+from flashpage.lazy import lazy_names
 from flashpage.tiny import tiny_model_path
 
 __version__ = "0.1.0"
@@ -44,11 +42,4 @@ __all__ = [
     *_LAZY,
 ]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'flashpage' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(globals(), _LAZY, "flashpage")

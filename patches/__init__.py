@@ -10,9 +10,9 @@ so the version check (which every ``flashpage`` command runs) stays light.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from flashpage.lazy import lazy_names
 from flashpage.patches.compat import UnsupportedTransformersError, require_supported_transformers, returned_cache
 
 require_supported_transformers()  # transformers 4.x imports below too, and would fail later and obscurely
@@ -33,15 +33,5 @@ _LAZY = {
 __all__ = ["ATTN_NAME", "HFPagedCache", "MemoryStats", "UnsupportedModelError", "UnsupportedTransformersError",
            "is_patched", "patch", "patched", "returned_cache", "unpatch"]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'flashpage.patches' has no attribute {name!r}")
-    try:
-        value = getattr(importlib.import_module(module), name)
-    except ImportError:  # a transformers without the APIs flashpage uses: name the supported range instead
-        require_supported_transformers()
-        raise
-    globals()[name] = value
-    return value
+# a transformers without the APIs flashpage uses fails these imports: name the supported range instead
+__getattr__ = lazy_names(globals(), _LAZY, "flashpage.patches", on_import_error=require_supported_transformers)

@@ -7,7 +7,7 @@ whose engine runs in another process) stays light.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from flashpage.engine.outputs import (
     CompletionOutput,
@@ -19,6 +19,7 @@ from flashpage.engine.outputs import (
 from flashpage.engine.params import SamplingParams
 from flashpage.engine.stats import EngineStats
 from flashpage.engine.structured import StructuredOutputsParams
+from flashpage.lazy import lazy_names
 
 if TYPE_CHECKING:
     from flashpage.engine.llm import LLM
@@ -26,11 +27,4 @@ if TYPE_CHECKING:
 __all__ = ["LLM", "CompletionOutput", "EngineStats", "RequestMetrics", "RequestOutput", "SamplingParams",
            "StreamOutput", "StructuredOutputsParams", "TokenLogprob"]
 
-
-def __getattr__(name: str) -> Any:
-    if name != "LLM":
-        raise AttributeError(f"module 'flashpage.engine' has no attribute {name!r}")
-    from flashpage.engine.llm import LLM
-
-    globals()["LLM"] = LLM
-    return LLM
+__getattr__ = lazy_names(globals(), {"LLM": "flashpage.engine.llm"}, "flashpage.engine")

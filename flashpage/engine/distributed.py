@@ -31,6 +31,7 @@ import hashlib
 import itertools
 import logging
 import os
+import sys
 from array import array
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -363,8 +364,6 @@ def end_rank(code: int) -> NoReturn:
     stdio, then ``os._exit`` past interpreter teardown. gloo's threads can abort a normally exiting
     process in C++ static destructors ("terminate called without an active exception", SIGABRT:
     about one run in ten here), turning a clean stop into a failed torchrun."""
-    import sys
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

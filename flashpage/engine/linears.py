@@ -45,6 +45,16 @@ with F.linear, and at most 219 with its transposing copy-out left out (a result 
 the weight on every call, then oneDNN's packed call, ran 134 GF/s at 192 rows and 212 at 2048, never ahead of
 F.linear.
 
+On a CPU without AVX-512 (AVX2: AMD Zen 2 / 3, many Intel parts) torch's bfloat16 / float16 GEMM is scalar code: at
+Qwen3-0.6B's widths, 1 thread, AMD EPYC (Zen 3), ``F.linear`` in bfloat16 ran 8-10 GF/s at 1-1536 rows, against
+76-86 GF/s for its float32 GEMM at 192 rows and more. There ``small_linear`` (built without AVX-512) widens instead:
+steps of at most 24 rows read the half weights in place (8 halves widened per load, float32 FMAs), larger ones widen
+the weights a 1 MiB block at a time and run torch's float32 GEMM on each block (``half_linear.h``); it is the faster
+linear at every row count there (``Ops.half_any_rows``), so every half-precision step takes it. Measured the same way
+(4 layers' q/k/v, o, gate/up and down weights, thread CPU time, best of 3), GF/s, the float32 dot products on widened
+rows it replaced / it: one row 8.0 / 13.5, eight 14.9 / 42.3, 32 21.6 / 53.2, 192 21.0 / 77.0, 512 22.4 / 80-83,
+1536 21.1 / 73-78. The weights stay as loaded (no float32 copy).
+
 Packed and fused weights (:class:`Prepacked`, ``LLM(cpu_prepack=...)``): as vLLM's CPU backend, the
 engine keeps each weight in oneDNN's blocked layout (packed once, not reordered on every call), and
 stacks sibling linears that read the same input tensor (q/k/v, gate/up; found by a probe of the first
@@ -157,10 +167,11 @@ def _few_rows(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
 def _half_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """(..., in) -> (..., out) for bfloat16 / float16 x and weight inside an engine step: the C++ small-M kernel for
     at most :data:`HALF_SMALL_ROWS` rows (float32 sums, one rounding; AVX-512 BF16 where the CPU has it), else
-    ``F.linear`` (torch's bfloat16 GEMM: oneDNN). No packed or float32 copy of the weight is made."""
+    ``F.linear`` (torch's bfloat16 GEMM: oneDNN); the C++ kernel at every row count where it widens to float32 GEMMs
+    (builds without AVX-512: ``ops.half_any_rows``). No packed or float32 copy of the weight is kept."""
     ops = cpu_fused.loaded()
-    if (ops is not None and x.numel() <= HALF_SMALL_ROWS * x.shape[-1] and module.weight.is_contiguous()
-            and x.dtype == module.weight.dtype):
+    if (ops is not None and (ops.half_any_rows or x.numel() <= HALF_SMALL_ROWS * x.shape[-1])
+            and module.weight.is_contiguous() and x.dtype == module.weight.dtype):
         packs = _STATE.packs
         if packs is not None:
             packs.observe(module, x)

@@ -31,7 +31,9 @@ its result): RMSNorm ``S(w * S(x * scale))`` (Llama / Qwen; Gemma's ``S(x * scal
 ``round_normed=False``), ``S(S(act(g)) * up)``, rotary ``S(S(x * cos) + S(rotate_half(x) * sin))``, so the fused
 ops give the modules' own bits up to float32 rounding of an intermediate. ``small_linear`` in half precision:
 float32 sums rounded once (AVX-512 BF16 ``vdpbf16ps`` where the build has ``__AVX512BF16__``, widened FMAs on
-other AVX-512 builds, portable loops elsewhere), up to four rows at a time over each weight row.
+other AVX-512 builds, up to four rows at a time over each weight row; on builds without AVX-512, where torch's own
+half-precision GEMM is scalar code, few rows as AVX2 FMAs on weights widened in registers and more as torch's float32
+GEMM on weights widened a block at a time: the faster linear at every row count there, ``Ops.half_any_rows``).
 
 float32 takes AVX-512 where the build has ``__AVX512F__``, 8-lane AVX2 + FMA for act_and_mul where it has those
 (RMSNorm's and rotary's portable loops vectorize as they are), and portable loops otherwise; float64 the
@@ -59,7 +61,7 @@ from flashpage.kernels.cpp_build import missing_tools as _missing_tools  # a mod
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # act_and_mul's codes
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 HALF = (torch.bfloat16, torch.float16)
-_VERSION = 5  # bump when the C++ source changes meaning (the sources' hash also rebuilds)
+_VERSION = 6  # bump when the C++ source changes meaning (the sources' hash also rebuilds)
 _SOURCES = ("cpu_fused.cpp",)  # in csrc/ (with common.h)
 _PORTABLE_FLAGS = ("-DFLASHPAGE_FUSED_NS=flashpage_fused_portable",)  # no -march=native; ops in another namespace
 # the tests' third build: -march=native without AVX-512 BF16 (the widened-FMA half-precision linear of AVX-512 CPUs
@@ -75,6 +77,7 @@ class Ops:
     act_and_mul: Any
     rotary: Any
     small_linear: Any
+    half_any_rows: bool = False  # small_linear in half precision is the faster linear at every row count here
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ def _build(portable: bool | str = False) -> Ops:
     cpp_build.jit_build(_build_name(portable), _sources(), _flags(portable))
     ns = {False: torch.ops.flashpage_fused, True: torch.ops.flashpage_fused_portable,
           "no_bf16": torch.ops.flashpage_fused_nobf16}[portable]
-    return Ops(ns.rms_norm.default, ns.act_and_mul.default, ns.rotary.default, ns.small_linear.default)
+    return Ops(ns.rms_norm.default, ns.act_and_mul.default, ns.rotary.default, ns.small_linear.default,
+               bool(ns.half_linear_any_rows.default()))
 
 
 def load() -> Ops | None:

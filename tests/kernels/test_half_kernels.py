@@ -83,17 +83,44 @@ def test_small_linear_matches_float64(ops, rows, k, n, bias, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_small_linear_rounds_as_torch_does(ops, rows, dtype):
+    """Each output is the float32 sum rounded to the dtype once, to nearest-even, bit for bit as torch's
+    ``.to(dtype)`` rounds it: k = 1, w = 1 and a bias make output (r, j) x_r + b_j (one float32 addition), with x
+    in [1, 2) and biases of half a step there (halfway cases), an overflow to infinity, infinities and NaN (NaN where
+    torch gives NaN). 1 and 5 rows take the few-row tiles (their 8-lane and scalar rounding), 40 the blocked GEMM
+    (builds without AVX-512); 37 outputs leave a scalar tail after the vector loops."""
+    g = torch.Generator().manual_seed(rows)
+    finfo = torch.finfo(dtype)
+    x = (1 + torch.rand(rows, 1, generator=g)).to(dtype)
+    half_step = finfo.eps / 2
+    b = torch.cat([torch.tensor([half_step, -half_step, 3 * half_step, -3 * half_step] * 4),
+                   torch.randn(21, generator=g) * 2.0 ** torch.randint(-12, 4, (21,), generator=g)]).to(dtype)
+    x[0, 0] = finfo.max  # with the bias finfo.max: overflow to infinity
+    b[-1] = finfo.max
+    if rows > 2:
+        x[1, 0], x[2, 0] = float("nan"), float("inf")
+    got = cpu_fused.small_linear(ops, x, torch.ones(37, 1, dtype=dtype), b)
+    want = (x.float() + b.float()).to(dtype)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan) and bool(torch.isinf(got[0, -1]))
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize(("rows", "k"), [(200, 3072), (257, 1024), (130, 5000)])
 def test_small_linear_passes_of_rows(ops, rows, k, dtype):
     """Many rows run in passes of rows that fit L2 (40 at k 3072, 128 at k 1024, 24 at k 5000): each pass is what
-    a call of just its rows gives (same tiles, same sums, bias added once), and every row is within the bound."""
+    a call of just its rows gives (same tiles, same sums, bias added once), and every row is within the bound.
+    Builds without AVX-512 (float32 GEMMs on widened weights, in blocks of 48 rows at k 5000: 70 outputs span two)
+    take no passes of rows; the GEMM's sums may depend on the row count, so only the bound is checked there."""
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g).to(dtype)
     w = (torch.randn(70, k, generator=g) * 0.1).to(dtype)
     b = torch.randn(70, generator=g).to(dtype)
     got = cpu_fused.small_linear(ops, x, w, b)
     chunk = max(4, (128 << 10) // k // 4 * 4)
-    for start in sorted({0, chunk, (rows - 1) // chunk * chunk}):
+    for start in sorted({0, chunk, (rows - 1) // chunk * chunk} if not ops.half_any_rows else ()):
         part = slice(start, min(rows, start + chunk))
         assert torch.equal(got[part], cpu_fused.small_linear(ops, x[part].contiguous(), w, b))
     want = x.double() @ w.double().T + b.double()
@@ -195,8 +222,9 @@ def test_same_bits_as_transformers_modules(ops, dtype):
 @pytest.mark.parametrize("dtype", HALF)
 def test_half_linears_take_the_small_kernel_inside_the_scope(dtype):
     """A bfloat16 / float16 nn.Linear with the engine's forward: at most HALF_SMALL_ROWS rows run the C++ small-M
-    kernel inside the engine's scope, more rows F.linear; outside the scope always F.linear (the model computes
-    what it did); never packed (no copy of a half-precision weight)."""
+    kernel inside the engine's scope, more rows F.linear (on builds without AVX-512, where torch's half-precision
+    GEMM is scalar code, the C++ kernel too: ``half_any_rows``); outside the scope always F.linear (the model
+    computes what it did); never packed (no copy of a half-precision weight)."""
     ops = cpu_fused.load()
     layer = torch.nn.Linear(64, 48).to(dtype)
     assert linears.install_onednn_linears(layer) == 1
@@ -207,7 +235,8 @@ def test_half_linears_take_the_small_kernel_inside_the_scope(dtype):
         for _ in range(2):  # a probe step, then a packed one
             with linears.onednn_scope(True, packs):
                 assert torch.equal(layer(few), ops.small_linear(few, layer.weight, layer.bias))
-                assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))
+                many_path = ops.small_linear if ops.half_any_rows else F.linear
+                assert torch.equal(layer(many), many_path(many, layer.weight, layer.bias))
         assert torch.equal(layer(few), F.linear(few, layer.weight, layer.bias))
     assert packs.nbytes() == 0
 

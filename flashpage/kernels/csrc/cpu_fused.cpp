@@ -349,6 +349,17 @@ at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& w_in, const c1
   return out;
 }
 
+// Whether small_linear in bfloat16 / float16 is the faster linear at every row count on this build (float32 GEMMs
+// on widened weights: builds without AVX-512, where torch's own half-precision GEMM is scalar code), not only for
+// few rows.
+bool half_linear_any_rows() {
+#if defined(FLASHPAGE_HALF_AVX512)
+  return false;
+#else
+  return true;
+#endif
+}
+
 // ------------------------------------------------------------------------------------------ rotary
 template <typename T>
 inline void rotate_row(const T* __restrict x, const T* __restrict c, const T* __restrict s, T* __restrict o,
@@ -455,4 +466,5 @@ FLASHPAGE_LIBRARY(FLASHPAGE_FUSED_NS, m) {
   m.impl("rotary", c10::DispatchKey::CPU, TORCH_FN(rotary));
   m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.impl("small_linear", c10::DispatchKey::CPU, TORCH_FN(small_linear));
+  m.def("half_linear_any_rows() -> bool", TORCH_FN(half_linear_any_rows));
 }

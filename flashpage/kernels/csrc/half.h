@@ -32,6 +32,16 @@ inline void widen(const S* __restrict src, float* __restrict dst, int64_t n) {
     for (; i + 16 <= n; i += 16)
       _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
   }
+#elif defined(__AVX2__) && defined(__F16C__)
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+  } else {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -52,6 +62,22 @@ inline __m256i to_half16(__m512 v) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__F16C__) && !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__))
+// 8 float32 lanes rounded to nearest-even in S, as 8 x 16 bits (to_half16's rounding, 8 lanes: AVX2 + F16C builds).
+template <typename S>
+inline __m128i to_half8(__m256 v) {
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  } else {
+    return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+}
+#endif
+
 // dst[0, n) = round-to-nearest-even(src[0, n)) (NaN stays NaN).
 template <typename S>
 inline void narrow(const float* __restrict src, S* __restrict dst, int64_t n) {
@@ -59,6 +85,9 @@ inline void narrow(const float* __restrict src, S* __restrict dst, int64_t n) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   for (; i + 16 <= n; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), to_half16<S>(_mm512_loadu_ps(src + i)));
+#elif defined(__AVX2__) && defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), to_half8<S>(_mm256_loadu_ps(src + i)));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<S>(src[i]);
 }

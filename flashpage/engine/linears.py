@@ -50,10 +50,12 @@ Qwen3-0.6B's widths, 1 thread, AMD EPYC (Zen 3), ``F.linear`` in bfloat16 ran 8-
 76-86 GF/s for its float32 GEMM at 192 rows and more. There ``small_linear`` (built without AVX-512) widens instead:
 steps of at most 24 rows read the half weights in place (8 halves widened per load, float32 FMAs), larger ones widen
 the weights a 1 MiB block at a time and run torch's float32 GEMM on each block (``half_linear.h``); it is the faster
-linear at every row count there (``Ops.half_any_rows``), so every half-precision step takes it. Measured the same way
-(4 layers' q/k/v, o, gate/up and down weights, thread CPU time, best of 3), GF/s, the float32 dot products on widened
-rows it replaced / it: one row 8.0 / 13.5, eight 14.9 / 42.3, 32 21.6 / 53.2, 192 21.0 / 77.0, 512 22.4 / 80-83,
-1536 21.1 / 73-78. The weights stay as loaded (no float32 copy).
+linear at every row count there (``Ops.half_any_rows``: x86-64 builds without AVX-512), so every half-precision step
+takes it. Measured the same way (4 layers' q/k/v, o, gate/up and down weights, thread CPU time, best of 3), GF/s,
+the float32 dot products on widened rows it replaced / it: one row 8.0 / 13.5, eight 14.9 / 42.3, 32 21.6 / 53.2,
+192 21.0 / 77.0, 512 22.4 / 80-83, 1536 21.1 / 73-78. The weights stay as loaded: no float32 copy is kept (a 1 MiB
+block at a time, in scratch). Other architectures keep torch's GEMM above :data:`HALF_SMALL_ROWS` rows (their torch
+may have a native bfloat16 one).
 
 Packed and fused weights (:class:`Prepacked`, ``LLM(cpu_prepack=...)``): as vLLM's CPU backend, the
 engine keeps each weight in oneDNN's blocked layout (packed once, not reordered on every call), and

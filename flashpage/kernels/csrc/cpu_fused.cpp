@@ -349,14 +349,15 @@ at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& w_in, const c1
   return out;
 }
 
-// Whether small_linear in bfloat16 / float16 is the faster linear at every row count on this build (float32 GEMMs
-// on widened weights: builds without AVX-512, where torch's own half-precision GEMM is scalar code), not only for
-// few rows.
+// Whether small_linear in bfloat16 / float16 is the faster linear at every row count on this build, not only for
+// few rows: x86-64 builds without AVX-512 (float32 FMAs / GEMMs on widened weights), where torch's own half-precision
+// GEMM is scalar code. Elsewhere (AVX-512; other architectures, whose torch may have a native bfloat16 GEMM) larger
+// steps keep torch's.
 bool half_linear_any_rows() {
-#if defined(FLASHPAGE_HALF_AVX512)
-  return false;
-#else
+#if !defined(FLASHPAGE_HALF_AVX512) && (defined(__x86_64__) || defined(_M_X64))
   return true;
+#else
+  return false;
 #endif
 }
 

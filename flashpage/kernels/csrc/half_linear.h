@@ -184,15 +184,6 @@ void widen_parallel(const S* src, float* dst, int64_t rows, int64_t k) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int64_t kTileRows = 24;  // calls of at most this many rows read the weights in place (few_rows_avx2)
 
-template <typename S>
-inline __m256 load8(const S* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (std::is_same_v<S, c10::BFloat16>)
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  else
-    return _mm256_cvtph_ps(h);
-}
-
 // sums[r * U + u] (R * U == 8) = float32 x row r (stride ldx) . w row u (stride k), the weights widened in registers
 // 8 at a time; the 8 sums of lanes by one hadd tree, the tail (k % 8) added in order.
 template <typename S, int R, int U>

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -74,7 +75,11 @@ class MemoryStats:
 class _PagedLayer(CacheLayerMixin):
     """Per-layer view transformers iterates over; all state lives in the parent cache (except
     ``indexer_position_ids``, (P, B, L) positions a sparse indexer records on its layer, which the parent
-    keeps in step with its rows: reordered, cropped and reset with them)."""
+    keeps in step with its rows: reordered, cropped and reset with them).
+
+    The layer holds its parent weakly: the cache holds its layers, and a strong reference back would make
+    a cycle, keeping a dropped cache (and with an engine's cache, its KV pool) alive until Python's cyclic
+    collector next ran."""
 
     is_compileable = False
     is_croppable = True
@@ -82,10 +87,17 @@ class _PagedLayer(CacheLayerMixin):
 
     def __init__(self, parent: HFPagedCache, layer_idx: int) -> None:
         super().__init__()
-        self._parent = parent
+        self._parent_ref = weakref.ref(parent)
         self._layer_idx = layer_idx
         self.is_initialized = True
         self.indexer_position_ids: torch.Tensor | None = None
+
+    @property
+    def _parent(self) -> HFPagedCache:
+        parent = self._parent_ref()
+        if parent is None:
+            raise ReferenceError("flashpage: this cache layer's HFPagedCache was dropped; use the cache's own layers")
+        return parent
 
     def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
         return self._parent.update_indexer(indexer_key_states, self._layer_idx)

@@ -269,12 +269,10 @@ class LLM:
 
     def _build_runner(self, config: Any, states: StateSlots | None, options: RunnerConfig) -> ModelRunner:
         """The model runner (engine/runner.py): the step's forward, over this LLM's pool. Its compile=True
-        warnings point at the code that called LLM(...)."""
-        return ModelRunner(self.model, self.kv, config, states, options, self._rollback)
-
-    def _rollback(self, schedule: Schedule) -> None:
-        """Undo a schedule whose forward failed (the runner calls it)."""
-        self.scheduler.rollback(schedule)
+        warnings point at the code that called LLM(...). The runner holds the scheduler's rollback, never this
+        LLM: no reference cycle, so a dropped LLM frees its pool and packed weights at once (tests/engine/
+        test_llm_lifetime.py)."""
+        return ModelRunner(self.model, self.kv, config, states, options, self.scheduler.rollback)
 
     # ------------------------------------------- the runner's parts (read by tests, bench and integrations)
     @property

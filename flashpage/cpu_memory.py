@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -106,8 +107,11 @@ def _size(n: int) -> str:
     return f"{n >> 30} GiB" if n >= 1 << 30 and not n % (1 << 30) else f"{n >> 20} MiB"
 
 
+@functools.cache
 def _libc() -> Any | None:
-    """The C library as ctypes sees it, when it is glibc (it has ``gnu_get_libc_version``); else None."""
+    """The C library as ctypes sees it, when it is glibc (it has ``gnu_get_libc_version``); else None. Opened
+    once per process: a ``CDLL`` is a reference cycle (it caches its functions), so one per call would leave
+    cyclic garbage behind every caller."""
     try:
         libc = ctypes.CDLL(None)
         version = libc.gnu_get_libc_version

@@ -238,3 +238,27 @@ def test_page_out_keep_cached_reads_back_without_the_file_and_keeps_written_page
     assert resource.getrusage(resource.RUSAGE_SELF).ru_majflt == faults
     del t
     mapped.close()
+
+
+@glibc_only
+def test_the_c_library_is_opened_once_per_process() -> None:
+    """Each ``ctypes.CDLL`` is a reference cycle (it caches its functions on itself), so one per call left garbage
+    behind every LLM construction (dozens of them) until the cyclic collector ran."""
+    import ctypes
+    import gc
+
+    def open_libraries() -> int:
+        return sum(isinstance(o, ctypes.CDLL) for o in gc.get_objects())
+
+    cm.glibc_version()
+    gc.collect()
+    gc.disable()
+    try:
+        before = open_libraries()
+        for _ in range(5):
+            assert cm.glibc_version() and cm.mallinfo2() is not None
+            cm.malloc_plan()
+            cm.trim_heap()
+        assert open_libraries() == before
+    finally:
+        gc.enable()

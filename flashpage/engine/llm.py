@@ -23,7 +23,7 @@ import torch
 
 from flashpage.cache import PagedKVCache, default_block_size
 from flashpage.cpu_memory import tune_malloc
-from flashpage.engine import chat, prompt_logprobs, spec_grammar
+from flashpage.engine import chat, lifetime, prompt_logprobs, spec_grammar
 from flashpage.engine.compiled import CompiledDecode, CompiledStep
 from flashpage.engine.config import EngineConfig
 from flashpage.engine.distributed import NewRequest, TPSync, check_tp_size, step_digest, tp_info
@@ -191,6 +191,7 @@ class LLM:
             max_num_seqs, max_num_batched_tokens, compile, cpu_prepack, tensor_parallel=self._tp is not None,
             dense_view=state.family.path == "dense-view", chunked_attention=bool(state.chunks),
             solo=self.solo_reason is not None))
+        lifetime.hold(self, self.model, loaded=path is not None)  # the last LLM on a model it loaded unpatches it
 
     def _check_engine_model(self) -> tuple[Any, Any, StateSlots | None]:
         """Refuse a patched model the engine cannot run exactly; set the device and vocabulary. Returns the

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from flashpage.engine import LLM, SamplingParams
-from flashpage.patches import HFPagedCache, patch, unpatch
+from flashpage.patches import HFPagedCache, is_patched, patch, unpatch
 from flashpage.tiny import load_tiny_model, tiny_model_path
 
 pytestmark = pytest.mark.usefixtures("one_thread", "quiet")
@@ -55,9 +55,29 @@ def test_dropped_llm_frees_its_pool_without_the_cyclic_collector(no_cyclic_gc, m
     alive = [name for name, ref in refs.items() if ref() is not None]
     assert alive == [], f"still alive after del (held in a reference cycle): {alive}"
     assert _paged_caches() == caches
-    # the model LLM(path) loaded stays patched, and a patched model refers to itself (each module's patch state
-    # names the root model): the collector's next full pass frees it
-    gc.collect()
+    # a patched model refers to itself (each module's patch state names the root model); the last LLM on a model
+    # it loaded unpatches it, so the model goes with the engine
+    assert model() is None
+
+
+def test_a_loaded_model_stays_patched_while_an_llm_runs_on_it(no_cyclic_gc):
+    """LLM(llm.model): the second engine keeps the model it shares patched (and running) after the first goes;
+    the model goes with the last one. A caller holding llm.model gets it back unpatched, still generating."""
+    from flashpage.engine import lifetime
+
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    first = LLM(str(tiny_model_path()), num_blocks=16, block_size=16)
+    want = first.generate(["the cat sat on"], params, use_tqdm=False)[0].outputs[0].token_ids
+    second = LLM(first.model, first.tokenizer, num_blocks=16, block_size=16)
+    model = weakref.ref(first.model)
+    assert lifetime.engines_on(first.model) == 2
+    del first
+    assert is_patched(model()) and lifetime.engines_on(model()) == 1
+    assert second.generate(["the cat sat on"], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    kept = second.model
+    del second
+    assert not is_patched(kept) and lifetime.engines_on(kept) == 0
+    del kept
     assert model() is None
 
 
@@ -71,6 +91,7 @@ def test_dropped_llm_on_a_callers_model_frees_its_pool(no_cyclic_gc):
             refs = [weakref.ref(llm), weakref.ref(llm.kv), weakref.ref(llm.runner)]
             del llm
             assert [r() is None for r in refs] == [True, True, True]
+            assert is_patched(model)  # the caller's model: left patched for its next LLM
     finally:
         unpatch(model)
 

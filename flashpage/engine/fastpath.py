@@ -614,6 +614,20 @@ def _recheck(module: torch.nn.Module, attr: str, probe: Callable[[torch.nn.Modul
             setattr(module, attr, fresh)
 
 
+def uninstall_fastpath(model: torch.nn.Module) -> int:
+    """Take the fused norm / MLP forwards :func:`install_fastpath` gave ``model``'s modules back off (each is a
+    bound method of its module: a reference cycle); returns how many. The rotary dispatchers are module globals
+    of the modeling code, shared by every model of the class, and stay."""
+    removed = 0
+    for module in model.modules():
+        for forward, attr in ((_norm_forward, "_flashpage_norm"), (_mlp_forward, "_flashpage_mlp")):
+            if getattr(vars(module).get("forward"), "__func__", None) is forward:
+                del module.forward
+                vars(module).pop(attr, None)
+                removed += 1
+    return removed
+
+
 def install_fastpath(model: torch.nn.Module) -> FastPath:
     """Probe every norm and gated MLP of ``model`` and the rotary of its modeling modules; give those that
     pass the scoped fused forward (idempotent). Nothing changes when ``FLASHPAGE_FASTPATH=0``."""

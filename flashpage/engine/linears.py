@@ -246,6 +246,17 @@ def install_onednn_linears(model: Any) -> int:
     return count
 
 
+def uninstall_onednn_linears(model: Any) -> int:
+    """Take the oneDNN forwards :func:`install_onednn_linears` gave ``model``'s linears back off (each is a bound
+    method of its linear: a reference cycle); returns how many."""
+    removed = 0
+    for module in model.modules():
+        if getattr(vars(module).get("forward"), "__func__", None) is _onednn_forward:
+            del module.forward
+            removed += 1
+    return removed
+
+
 @contextlib.contextmanager
 def onednn_scope(enabled: bool = True, packs: Prepacked | None = None) -> Iterator[None]:
     """Linears with the oneDNN forward use it inside this block, on this thread; with ``packs``, through

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import sys
 import threading
 import time
 import warnings
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from flashpage.cache import PagedKVCache, default_block_size
-from flashpage.cpu_memory import tune_malloc
+from flashpage.cpu_memory import trim_heap, tune_malloc
 from flashpage.engine import chat, lifetime, prompt_logprobs, spec_grammar
 from flashpage.engine.compiled import CompiledDecode, CompiledStep
 from flashpage.engine.config import EngineConfig
@@ -191,7 +192,21 @@ class LLM:
             max_num_seqs, max_num_batched_tokens, compile, cpu_prepack, tensor_parallel=self._tp is not None,
             dense_view=state.family.path == "dense-view", chunked_attention=bool(state.chunks),
             solo=self.solo_reason is not None))
-        lifetime.hold(self, self.model, loaded=path is not None)  # the last LLM on a model it loaded unpatches it
+        lifetime.hold(self.model, loaded=path is not None)  # the last LLM on a model it loaded unpatches it
+        self._held = self.model  # for __del__
+
+    def __del__(self, _exiting: Any = sys.is_finalizing) -> None:
+        """Free the KV pool, the runner (packed weights) and, for the last ``LLM`` on a model it loaded, the
+        model (engine/lifetime.py), then give the C heap's free pages back to the OS: the tuned ``malloc`` keeps
+        up to 1 GiB of freed memory for the next step (flashpage/cpu_memory.py), and a dropped engine takes none.
+        Nothing at interpreter exit (``_exiting`` is bound at definition: module globals may be gone by then)."""
+        model = vars(self).pop("_held", None)
+        if model is None or _exiting():  # __init__ did not finish, or the process is ending anyway
+            return
+        vars(self).clear()
+        lifetime.release(model)
+        del model
+        trim_heap()
 
     def _check_engine_model(self) -> tuple[Any, Any, StateSlots | None]:
         """Refuse a patched model the engine cannot run exactly; set the device and vocabulary. Returns the

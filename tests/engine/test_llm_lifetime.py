@@ -33,6 +33,16 @@ def no_cyclic_gc() -> Iterator[None]:
         gc.enable()
 
 
+def _everything_of(model: torch.nn.Module) -> list[tuple[str, weakref.ref]]:
+    """Weak references to every module and parameter of ``model``, named."""
+    return ([(name or "model", weakref.ref(m)) for name, m in model.named_modules()]
+            + [(name, weakref.ref(p)) for name, p in model.named_parameters()])
+
+
+def _alive(refs: list[tuple[str, weakref.ref]]) -> list[str]:
+    return [name for name, ref in refs if ref() is not None]
+
+
 def _paged_caches() -> int:
     return sum(isinstance(o, HFPagedCache) for o in gc.get_objects())
 
@@ -50,14 +60,15 @@ def test_dropped_llm_frees_its_pool_without_the_cyclic_collector(no_cyclic_gc, m
     assert all(len(o.outputs[0].token_ids) == 6 for o in out)
     refs = {"llm": weakref.ref(llm), "pool": weakref.ref(llm.kv), "cache": weakref.ref(llm._cache),
             "runner": weakref.ref(llm.runner)}
-    model = weakref.ref(llm.model)
+    model = _everything_of(llm.model)
     del llm, out
     alive = [name for name, ref in refs.items() if ref() is not None]
     assert alive == [], f"still alive after del (held in a reference cycle): {alive}"
     assert _paged_caches() == caches
-    # a patched model refers to itself (each module's patch state names the root model); the last LLM on a model
-    # it loaded unpatches it, so the model goes with the engine
-    assert model() is None
+    # a patched model refers to itself (each module's patch state names the root model, the fast path's forwards
+    # are bound methods of their modules); the last LLM on a model it loaded takes both off, so every module and
+    # weight goes with the engine
+    assert _alive(model) == []
 
 
 def test_a_loaded_model_stays_patched_while_an_llm_runs_on_it(no_cyclic_gc):
@@ -70,6 +81,7 @@ def test_a_loaded_model_stays_patched_while_an_llm_runs_on_it(no_cyclic_gc):
     want = first.generate(["the cat sat on"], params, use_tqdm=False)[0].outputs[0].token_ids
     second = LLM(first.model, first.tokenizer, num_blocks=16, block_size=16)
     model = weakref.ref(first.model)
+    parts = _everything_of(first.model)
     assert lifetime.engines_on(first.model) == 2
     del first
     assert is_patched(model()) and lifetime.engines_on(model()) == 1
@@ -78,7 +90,7 @@ def test_a_loaded_model_stays_patched_while_an_llm_runs_on_it(no_cyclic_gc):
     del second
     assert not is_patched(kept) and lifetime.engines_on(kept) == 0
     del kept
-    assert model() is None
+    assert model() is None and _alive(parts) == []
 
 
 def test_dropped_llm_on_a_callers_model_frees_its_pool(no_cyclic_gc):
@@ -112,3 +124,17 @@ def test_patched_generate_leaves_no_cache_behind(no_cyclic_gc):
             assert _paged_caches() == caches
     finally:
         unpatch(model)
+
+
+def test_the_heap_is_trimmed_after_the_engine_is_gone(no_cyclic_gc, monkeypatch):
+    """A dropped LLM gives the C heap's free pages back (malloc_trim) once its pool, runner and loaded model are
+    freed, not before: the tuned malloc would otherwise keep the freed engine's memory (GiBs on a real model)."""
+    from flashpage.engine import llm as llm_module
+
+    seen: list[list[str]] = []
+    llm = LLM(str(tiny_model_path()), num_blocks=16, block_size=16)
+    llm.generate(["the cat sat on"], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    refs = [("pool", weakref.ref(llm.kv)), ("runner", weakref.ref(llm.runner)), *_everything_of(llm.model)]
+    monkeypatch.setattr(llm_module, "trim_heap", lambda: seen.append(_alive(refs)) or True)
+    del llm
+    assert seen == [[]]

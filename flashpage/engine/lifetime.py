@@ -16,7 +16,7 @@ from typing import Any
 
 from flashpage.engine.fastpath import uninstall_fastpath
 from flashpage.engine.linears import uninstall_onednn_linears
-from flashpage.patches import is_patched, unpatch
+from flashpage.patches import unpatch
 
 _ENGINES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # model -> live LLMs running on it
 _LOADED: weakref.WeakSet[Any] = weakref.WeakSet()  # models an LLM loaded from a path (patched by that LLM)
@@ -45,5 +45,4 @@ def release(model: Any) -> None:
         _LOADED.discard(model)
         uninstall_fastpath(model)
         uninstall_onednn_linears(model)
-        if is_patched(model):
-            unpatch(model)
+        unpatch(model)  # a no-op where the caller already unpatched it
